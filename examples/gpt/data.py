@@ -1,0 +1,213 @@
+"""Byte-level data for the GPT example: no tokenizer, no network.
+
+Tokens are raw bytes (ids 0..255, ``VOCAB_SIZE = 256``). Documents are joined with a NUL
+byte (``DOC_SEPARATOR``), which never occurs in text files, so the vocabulary stays 256
+and bits-per-byte is simply ``loss / ln 2``.
+
+The default corpus is the Python standard library's own source code (the ``*.py`` files
+under ``sysconfig.get_paths()["stdlib"]``, test suites, codec tables and installed
+packages left out), read in sorted path order and capped at ``DEFAULT_MAX_BYTES``.
+``load_corpus(path)`` reads a text file, or every text file under a directory instead.
+
+``ByteDataset`` holds the corpus split into train and validation bytes. Training batches
+are a pure function of ``(seed, step)``, so resuming a run only needs the step number.
+Validation uses a fixed list of contiguous windows from the held-out tail.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_SIZE = 256
+DOC_SEPARATOR = b"\x00"
+DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+
+# Directories of the standard library skipped by the default corpus: test suites and the
+# generated codec tables are large and unlike ordinary code; site-packages differs between
+# machines.
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "__pycache__"}
+)
+
+
+def _looks_like_text(data: bytes) -> bool:
+    if b"\x00" in data[:8192]:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _join(paths: list[Path], max_bytes: int | None, *, check_text: bool) -> tuple[bytes, int]:
+    chunks, total = [], 0
+    for p in paths:
+        data = p.read_bytes()
+        if check_text and not _looks_like_text(data):
+            continue
+        chunks.append(data)
+        total += len(data) + len(DOC_SEPARATOR)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    corpus = DOC_SEPARATOR.join(chunks)
+    if max_bytes is not None:
+        corpus = corpus[:max_bytes]
+    return corpus, len(chunks)
+
+
+def stdlib_corpus(max_bytes: int | None = DEFAULT_MAX_BYTES) -> bytes:
+    """The default corpus: Python standard library sources, deterministic for one Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not _STDLIB_SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+    )
+    corpus, _ = _join(paths, max_bytes, check_text=True)
+    if not corpus:
+        raise FileNotFoundError(f"found no Python sources under the standard library at {root}")
+    return corpus
+
+
+def load_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = None) -> bytes:
+    """Bytes of ``path`` (a text file, or all text files below a directory, sorted).
+
+    ``path=None`` gives the standard-library corpus (capped at ``DEFAULT_MAX_BYTES`` unless
+    ``max_bytes`` says otherwise). Binary files under a directory (NUL bytes or invalid
+    UTF-8) and hidden files/directories are skipped.
+    """
+    if path is None:
+        return stdlib_corpus(DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data path {str(p)!r} does not exist")
+    if p.is_file():
+        corpus, _ = _join([p], max_bytes, check_text=False)
+        if not corpus:
+            raise ValueError(f"data file {str(p)!r} is empty")
+        return corpus
+    files = sorted(
+        f
+        for f in p.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+    )
+    corpus, n_docs = _join(files, max_bytes, check_text=True)
+    if n_docs == 0:
+        raise ValueError(f"data directory {str(p)!r} holds no text files ({len(files)} files)")
+    return corpus
+
+
+def bits_per_byte(loss: float) -> float:
+    """Convert a mean cross-entropy in nats per byte-token into bits per byte."""
+    return float(loss) / math.log(2)
+
+
+class ByteDataset:
+    """A byte corpus split into train and validation parts, with deterministic batches.
+
+    ``batch(step)`` draws ``batch_size`` random windows of ``seq_len + 1`` bytes from the
+    train split, seeded by ``(seed, step)``: the same step always gives the same batch, so
+    a resumed run continues the data stream exactly by passing the next step.
+    """
+
+    def __init__(
+        self,
+        corpus: bytes,
+        *,
+        batch_size: int,
+        seq_len: int,
+        val_frac: float = 0.05,
+        seed: int = 0,
+    ):
+        if not 0.0 < val_frac < 1.0:
+            raise ValueError(f"val_frac must be in (0, 1), got {val_frac}")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        data = np.frombuffer(corpus, dtype=np.uint8)
+        n_val = int(len(data) * val_frac)
+        self.train = data[: len(data) - n_val]
+        self.val = data[len(data) - n_val :]
+        window = seq_len + 1
+        # The train split needs one window; the validation split needs one full batch of
+        # windows so that every validation batch has the same shape.
+        need_train = window
+        need_val = batch_size * window
+        if len(self.train) < need_train or len(self.val) < need_val:
+            need_total = max(math.ceil(need_val / val_frac), need_train + need_val)
+            raise ValueError(
+                f"corpus of {len(data):,} bytes is too small for batch_size={batch_size}, "
+                f"seq_len={seq_len}: the train split has {len(self.train):,} bytes (needs "
+                f">= {need_train:,}) and the validation split ({val_frac:.0%}) has "
+                f"{len(self.val):,} bytes (needs >= {need_val:,} = batch_size * (seq_len+1)). "
+                f"Use a corpus of at least {need_total:,} bytes, or lower --batch-size / "
+                f"--seq-len."
+            )
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | os.PathLike | None,
+        *,
+        batch_size: int,
+        seq_len: int,
+        max_bytes: int | None = None,
+        **kwargs,
+    ) -> ByteDataset:
+        return cls(load_corpus(path, max_bytes), batch_size=batch_size, seq_len=seq_len, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"ByteDataset(train={len(self.train):,} bytes, val={len(self.val):,} bytes, "
+            f"batch_size={self.batch_size}, seq_len={self.seq_len}, seed={self.seed})"
+        )
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Training inputs and targets for ``step``, each (batch_size, seq_len) int32."""
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.train) - self.seq_len, size=self.batch_size)
+        windows = self.train[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
+    def num_val_batches(self) -> int:
+        return len(self.val) // (self.batch_size * (self.seq_len + 1))
+
+    def val_batches(self, max_batches: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Fixed validation batches: consecutive non-overlapping windows of the held-out tail."""
+        n = self.num_val_batches()
+        if max_batches is not None:
+            n = min(n, max_batches)
+        window = self.seq_len + 1
+        per_batch = self.batch_size * window
+        for i in range(n):
+            chunk = self.val[i * per_batch : (i + 1) * per_batch]
+            windows = chunk.reshape(self.batch_size, window).astype(np.int32)
+            yield windows[:, :-1], windows[:, 1:]
+
+    def evaluate(
+        self,
+        loss_on_batch: Callable[[np.ndarray, np.ndarray], float],
+        max_batches: int | None = None,
+    ) -> dict[str, float]:
+        """Mean validation loss over the fixed batches, and the matching bits per byte.
+
+        ``loss_on_batch(x, y)`` returns the mean loss of one batch, e.g. a jitted
+        ``lambda x, y: loss_fn(model, x, y)``. All batches have equal size, so the mean of
+        batch means is the mean over tokens.
+        """
+        losses = [float(loss_on_batch(x, y)) for x, y in self.val_batches(max_batches)]
+        loss = float(np.mean(losses))
+        return {"loss": loss, "bpb": bits_per_byte(loss), "batches": len(losses)}

@@ -1,0 +1,33 @@
+"""muon_optax: nanochat's Muon + AdamW optimizer for JAX, as optax transformations.
+
+    tx = muon_optax.muon_adamw(groups, muon_optax.label_by_path(rules))
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+
+See the README for the mapping from nanochat's ``param_groups``.
+"""
+
+from optax.contrib import MuonDimensionNumbers
+
+from muon_optax.adamw import adamw
+from muon_optax.labels import label_by_path, path_str
+from muon_optax.muon import MuonStackState, muon
+from muon_optax.optimizer import MuonAdamWState, muon_adamw
+from muon_optax.polar import POLAR_EXPRESS_COEFFS, orthogonalize
+from muon_optax.sharding import state_specs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "POLAR_EXPRESS_COEFFS",
+    "MuonAdamWState",
+    "MuonDimensionNumbers",
+    "MuonStackState",
+    "adamw",
+    "label_by_path",
+    "muon",
+    "muon_adamw",
+    "orthogonalize",
+    "path_str",
+    "state_specs",
+]

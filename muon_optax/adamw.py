@@ -1,0 +1,74 @@
+"""AdamW, as nanochat (and torch.optim.AdamW) computes it, for any slice of a parameter.
+
+    p = p * (1 - lr * wd)                      decoupled weight decay, before the step
+    m = lerp(m, g, 1 - b1);  v = lerp(v, g^2, 1 - b2)
+    p = p - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
+
+All arithmetic is float32 whatever the parameter dtype; the moments are stored in the
+parameter's dtype. ``optax.adamw`` computes the same function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from muon_optax.hparams import AdamWConfig, Scalar, value_at
+
+
+def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
+    """The group's hyperparameters at step ``count`` (before it is incremented)."""
+    return {k: value_at(getattr(cfg, k), count)
+            for k in ("lr", "b1", "b2", "eps", "weight_decay")}
+
+
+def adamw_leaf_update(
+    g: jax.Array, p: jax.Array | None, m: jax.Array, v: jax.Array, t: jax.Array,
+    hp: dict[str, jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One AdamW step on a parameter (or a slice of one): ``(update, m, v)``.
+
+    ``t`` is the 1-based step number. ``p`` may be None when weight decay is off. The
+    update is ``p_new - p`` in the parameter's dtype.
+    """
+    f32 = jnp.float32
+    lr, b1, b2 = hp["lr"], hp["b1"], hp["b2"]
+    g32 = g.astype(f32)
+    m32 = m.astype(f32) + (1 - b1) * (g32 - m.astype(f32))
+    v32 = v.astype(f32) + (1 - b2) * (g32 * g32 - v.astype(f32))
+    t = t.astype(f32)
+    step = (lr / (1 - b1**t)) * m32 / (jnp.sqrt(v32 / (1 - b2**t)) + hp["eps"])
+    if p is None:
+        update = -step
+    else:  # (p * (1 - lr wd) - step) - p, with the decay term kept exact for small lr*wd
+        update = -(lr * hp["weight_decay"]) * p.astype(f32) - step
+    dtype = g.dtype if p is None else p.dtype
+    return update.astype(dtype), m32.astype(m.dtype), v32.astype(v.dtype)
+
+
+def adamw(
+    lr: Scalar,
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999),
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0.0,
+) -> optax.GradientTransformation:
+    """AdamW on every leaf, with nanochat's hyperparameter names.
+
+    Usable alone or inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the
+    same arithmetic for its AdamW groups. Each scalar may be an optax schedule.
+
+    Args:
+      lr: learning rate.
+      betas: ``(b1, b2)``, the decay rates of the first and second moments.
+      eps: added to the root of the second moment.
+      weight_decay: decoupled decay, multiplied by ``lr``; needs ``params`` in ``update``.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
+    """
+    from muon_optax.optimizer import build  # the shared engine; imported late (cycle)
+
+    cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
+    return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params))
+

@@ -1,0 +1,158 @@
+"""Parameter groups: nanochat's per-group hyperparameters, checked once, read per step.
+
+A group is a dict in nanochat's ``param_groups`` format, without ``params``:
+
+    dict(kind="adamw", lr=..., betas=(b1, b2), eps=..., weight_decay=...)
+    dict(kind="muon",  lr=..., momentum=..., ns_steps=..., beta2=..., weight_decay=...)
+
+Every scalar is a number or an optax schedule (a callable of the step count). Schedules
+are evaluated inside the jitted update on the traced step count, so a changing value
+never recompiles anything. ``ns_steps`` and the Muon options are static: they choose the
+program, not a number in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from muon_optax.polar import check_ns_steps
+
+Scalar = float | Callable[[jax.Array], Any]
+"""A hyperparameter: a number, or an optax schedule ``count -> number``."""
+
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+MUON_KEYS = ("lr", "momentum", "ns_steps", "beta2", "weight_decay")
+MUON_OPTIONS = ("row_equilibration", "renormalize", "compute_dtype")
+
+
+def value_at(x: Scalar, count: jax.Array) -> jax.Array:
+    """The float32 value of a hyperparameter at step ``count``."""
+    return jnp.asarray(x(count) if callable(x) else x, jnp.float32)
+
+
+def _check_scalar(value: Any, name: str, where: str) -> Scalar:
+    if callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:  # a 0-d array is fine; anything else is a mistake worth naming
+            if jnp.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
+                return value
+        except TypeError:
+            pass
+        raise TypeError(f"{where}: {name} must be a float or an optax schedule "
+                        f"(a callable of the step count), got {value!r}.")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+    """Hyperparameters of an AdamW group (see :func:`muon_optax.adamw`)."""
+
+    lr: Scalar
+    b1: Scalar
+    b2: Scalar
+    eps: Scalar
+    weight_decay: Scalar
+
+    @classmethod
+    def make(cls, lr, betas, eps, weight_decay, where="adamw") -> AdamWConfig:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"{where}: betas must be a pair (b1, b2), got {betas!r}.")
+        return cls(*(_check_scalar(v, n, where) for v, n in (
+            (lr, "lr"), (betas[0], "betas[0]"), (betas[1], "betas[1]"), (eps, "eps"),
+            (weight_decay, "weight_decay"))))
+
+    def needs_params(self) -> bool:
+        return callable(self.weight_decay) or self.weight_decay != 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Hyperparameters and static options of a Muon group (see :func:`muon_optax.muon`)."""
+
+    lr: Scalar
+    momentum: Scalar
+    beta2: Scalar
+    weight_decay: Scalar
+    ns_steps: int = 5
+    row_equilibration: bool = True
+    renormalize: bool = True
+    compute_dtype: Any = None
+
+    @classmethod
+    def make(cls, lr, momentum, ns_steps, beta2, weight_decay, row_equilibration=True,
+             renormalize=True, compute_dtype=None, where="muon") -> MuonConfig:
+        check_ns_steps(ns_steps, where)
+        for flag, name in ((row_equilibration, "row_equilibration"),
+                           (renormalize, "renormalize")):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{where}: {name} must be True or False, got {flag!r}.")
+        if compute_dtype is not None:
+            try:
+                compute_dtype = jnp.dtype(compute_dtype)
+            except TypeError as e:
+                raise TypeError(f"{where}: compute_dtype {compute_dtype!r} is not a dtype; "
+                                "use jnp.float32 or jnp.bfloat16 (or None for the "
+                                "backend's default).") from e
+            if not jnp.issubdtype(compute_dtype, jnp.floating):
+                raise TypeError(f"{where}: compute_dtype must be a float dtype, "
+                                f"got {compute_dtype}.")
+        return cls(
+            lr=_check_scalar(lr, "lr", where),
+            momentum=_check_scalar(momentum, "momentum", where),
+            beta2=_check_scalar(beta2, "beta2", where),
+            weight_decay=_check_scalar(weight_decay, "weight_decay", where),
+            ns_steps=ns_steps, row_equilibration=row_equilibration,
+            renormalize=renormalize, compute_dtype=compute_dtype)
+
+    def static_key(self) -> tuple:
+        """What must agree for two matrices to share one batched program."""
+        return (self.ns_steps, self.row_equilibration, self.renormalize, self.compute_dtype)
+
+
+def _unknown(keys, allowed) -> str:
+    parts = []
+    for k in keys:
+        close = difflib.get_close_matches(str(k), allowed, n=1)
+        parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(parts)
+
+
+def parse_group(name: str, group: Mapping[str, Any]) -> AdamWConfig | MuonConfig:
+    """Checks one nanochat-style group dict and returns its config."""
+    where = f"group {name!r}"
+    if not isinstance(group, Mapping):
+        raise TypeError(f"{where}: expected a dict like dict(kind='muon', lr=...), "
+                        f"got {type(group).__name__}.")
+    if "params" in group:
+        raise ValueError(f"{where}: a group holds no 'params' here; say which parameters "
+                         "belong to it through param_labels.")
+    kind = group.get("kind")
+    if kind not in ("adamw", "muon"):
+        raise ValueError(f"{where}: unknown kind {kind!r}; use kind='adamw' or kind='muon'.")
+    required = ADAMW_KEYS if kind == "adamw" else MUON_KEYS
+    allowed = ("kind",) + required + (MUON_OPTIONS if kind == "muon" else ())
+    unknown = [k for k in group if k not in allowed]
+    if unknown:
+        raise ValueError(f"{where}: unknown hyperparameter {_unknown(unknown, allowed)} for "
+                         f"kind={kind!r}; allowed keys are {', '.join(allowed)}.")
+    missing = [k for k in required if k not in group]
+    if missing:
+        raise ValueError(f"{where}: missing hyperparameter {', '.join(missing)} for "
+                         f"kind={kind!r}; a {kind} group needs {', '.join(required)}.")
+    hp = {k: v for k, v in group.items() if k != "kind"}
+    if kind == "adamw":
+        return AdamWConfig.make(where=where, **hp)
+    return MuonConfig.make(where=where, **hp)
+
+
+def parse_groups(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, AdamWConfig | MuonConfig]:
+    if not isinstance(groups, Mapping) or not groups:
+        raise TypeError("groups must be a non-empty dict: group name -> dict(kind=..., ...).")
+    return {str(name): parse_group(str(name), g) for name, g in groups.items()}

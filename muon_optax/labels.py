@@ -1,0 +1,88 @@
+"""Which parameter goes to which group: labels from rules on the parameter path.
+
+A label tree has the params' structure with a group name at every leaf, as in
+``optax.partition``. Flax users rarely want to write one by hand, so
+:func:`label_by_path` builds it from regular expressions on the ``/``-joined path
+(``"blocks/0/attn/c_q/kernel"``) with a shape-based fallback.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``/``-joined readable form of a pytree key path: ``blocks/0/attn/kernel``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def label_by_path(
+    rules: Sequence[tuple[str, str]] = (),
+    *,
+    matrix: str = "muon",
+    other: str = "adamw",
+) -> Callable[[Any], Any]:
+    """Returns ``params -> labels`` for :func:`muon_optax.muon_adamw`.
+
+    Args:
+      rules: ``(regex, group)`` pairs, tried in order with ``re.search`` on each
+        leaf's ``/``-joined path; the first match names the leaf's group.
+      matrix: group of an unmatched leaf with two or more axes.
+      other: group of an unmatched scalar or vector leaf.
+
+    Example, nanochat's split for a Flax GPT::
+
+        labels = label_by_path([("wte", "embed"), ("lm_head", "head"),
+                                ("lambdas", "scalars")], matrix="matrix")
+    """
+    compiled = []
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+            raise TypeError(f"label_by_path: each rule is a (regex, group) pair, got {rule!r}.")
+        pattern, group = rule
+        try:
+            compiled.append((re.compile(pattern), group))
+        except re.error as e:
+            raise ValueError(f"label_by_path: bad regex {pattern!r}: {e}.") from e
+
+    def label(path, leaf) -> str:
+        name = path_str(path)
+        for pattern, group in compiled:
+            if pattern.search(name):
+                return group
+        return matrix if getattr(leaf, "ndim", 0) >= 2 else other
+
+    return lambda params: jax.tree_util.tree_map_with_path(label, params)
+
+
+def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],
+                groups: Sequence[str]) -> list[str]:
+    """The group name of every leaf of ``params``, in flattening order, checked."""
+    labels = param_labels(params) if callable(param_labels) else param_labels
+    treedef = jax.tree.structure(params)
+    try:
+        flat = treedef.flatten_up_to(labels)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "param_labels must have the params' structure, with a group name at every "
+            f"leaf (or be a callable params -> such a tree). Params: {treedef}. "
+            f"Labels: {jax.tree.structure(labels)}.") from e
+    for path, label in zip(paths, flat):
+        if label not in groups:
+            raise ValueError(
+                f"parameter {path!r} has label {label!r}, which names no group; groups are "
+                f"{', '.join(map(repr, groups))}. Add a group of that name or change the "
+                "label.")
+    return list(flat)

@@ -1,0 +1,193 @@
+"""How Muon sees a parameter: matrices, their orientation, and the stacks they join.
+
+Everything here is static: it is computed in Python from shapes, dtypes and labels at
+trace time, and only decides which slices, transposes and concatenations the traced
+program does.
+
+Orientation. The rule is written for a matrix with ``R`` rows = output features and
+``C`` columns = input features (PyTorch's ``(out, in)``). A leaf of any rank is mapped
+to a batch of such matrices with ``MuonDimensionNumbers`` (``reduction_axis`` = input
+axes, ``output_axis`` = output axes, all other axes batch). Default: the last two axes
+are ``(in, out)``, the Flax ``Dense`` layout, and leading axes (a scanned layer stack)
+are batch axes.
+
+Stacks. A tall matrix (``R > C``) is stored transposed, as its ``(C, R)`` wide
+transpose: the polar iteration commutes with transposition, and the steps that do not
+(row equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix flag.
+So every matrix is stored wide or square, and all matrices with the same stored shape,
+dtype and static options form one stack ``(K, R, C)`` updated by one batched program,
+across groups and orientations: an MLP's ``c_fc`` and ``c_proj`` share a stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from optax.contrib import MuonDimensionNumbers
+
+DEFAULT_DIMENSION_NUMBERS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+
+
+def _axes(value: Any, ndim: int, name: str, path: str) -> tuple[int, ...]:
+    axes = (value,) if isinstance(value, int) else tuple(value)
+    if not axes or not all(isinstance(a, int) for a in axes):
+        raise TypeError(f"parameter {path!r}: {name} must be an int or a non-empty sequence "
+                        f"of ints, got {value!r}.")
+    if not all(-ndim <= a < ndim for a in axes):
+        raise ValueError(f"parameter {path!r} has {ndim} axes; {name}={value!r} is out of "
+                         "range. Fix its MuonDimensionNumbers.")
+    return tuple(a % ndim for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixLeaf:
+    """A Muon parameter leaf seen as ``batch`` matrices of ``rows x cols`` (out x in)."""
+
+    index: int                  # position among all param leaves (flattening order)
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    group: str
+    perm: tuple[int, ...]       # leaf axes reordered to (batch..., out..., in...)
+    batch: int
+    rows: int
+    cols: int
+
+    @property
+    def transposed(self) -> bool:
+        """Stored as the wide transpose ``(cols, rows)``."""
+        return self.rows > self.cols
+
+    @property
+    def stored_shape(self) -> tuple[int, int]:
+        return (self.cols, self.rows) if self.transposed else (self.rows, self.cols)
+
+    @property
+    def lr_scale(self) -> float:
+        """nanochat's aspect-ratio factor ``sqrt(max(1, R / C))``."""
+        return math.sqrt(max(1.0, self.rows / self.cols))
+
+    def to_stored(self, x: jax.Array) -> jax.Array:
+        """``(batch, R, C)`` stored view of a leaf-shaped array (wide or square)."""
+        x = jnp.transpose(x, self.perm).reshape(self.batch, self.rows, self.cols)
+        return jnp.swapaxes(x, -1, -2) if self.transposed else x
+
+    def from_stored(self, y: jax.Array) -> jax.Array:
+        """Inverse of :meth:`to_stored`."""
+        if self.transposed:
+            y = jnp.swapaxes(y, -1, -2)
+        permuted_shape = tuple(self.shape[a] for a in self.perm)
+        return jnp.transpose(y.reshape(permuted_shape), np.argsort(self.perm))
+
+
+def matrix_leaf(index: int, path: str, leaf: Any, group: str,
+                dims: MuonDimensionNumbers | None) -> MatrixLeaf:
+    """Checks a Muon leaf and its dimension numbers; raises naming the path."""
+    shape = tuple(leaf.shape)
+    if len(shape) < 2:
+        raise ValueError(
+            f"parameter {path!r} has shape {shape} but is labelled for Muon group {group!r}; "
+            "Muon needs a matrix (2 or more axes). Give scalars and vectors to an AdamW "
+            "group.")
+    dims = DEFAULT_DIMENSION_NUMBERS if dims is None else dims
+    if not isinstance(dims, MuonDimensionNumbers):
+        raise TypeError(f"parameter {path!r}: dimension_numbers must hold "
+                        f"MuonDimensionNumbers, got {dims!r}.")
+    red = _axes(dims.reduction_axis, len(shape), "reduction_axis", path)
+    out = _axes(dims.output_axis, len(shape), "output_axis", path)
+    if len(set(red + out)) != len(red) + len(out):
+        raise ValueError(f"parameter {path!r}: reduction_axis {red} and output_axis {out} "
+                         "must be distinct axes.")
+    batch_axes = tuple(a for a in range(len(shape)) if a not in red + out)
+    if 0 in shape:
+        raise ValueError(f"parameter {path!r} has shape {shape} with an empty axis; "
+                         "Muon cannot orthogonalize an empty matrix.")
+    size = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
+    return MatrixLeaf(index=index, path=path, shape=shape, dtype=jnp.dtype(leaf.dtype),
+                      group=group, perm=batch_axes + out + red, batch=size(batch_axes),
+                      rows=size(out), cols=size(red))
+
+
+def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
+    """Per-leaf ``MuonDimensionNumbers`` (or None for the default), flattening order."""
+    treedef = jax.tree.structure(params)
+    if dimension_numbers is None or isinstance(dimension_numbers, MuonDimensionNumbers):
+        return [dimension_numbers] * treedef.num_leaves
+    tree = dimension_numbers(params) if callable(dimension_numbers) else dimension_numbers
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "dimension_numbers must be one MuonDimensionNumbers, or a tree with the params' "
+            "structure holding MuonDimensionNumbers (or None) at every leaf, or a callable "
+            f"params -> such a tree. Params: {treedef}.") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Matrices updated by one batched program: same stored shape, dtype and options.
+
+    ``members`` are in stack order; the stack is zero-padded to ``padded`` slots (a
+    multiple of the device count) and device ``d`` owns slots ``[d*per_device,
+    (d+1)*per_device)``.
+    """
+
+    rows: int
+    cols: int
+    dtype: Any
+    config: Any                 # the MuonConfig whose static options the stack runs with
+    members: tuple[MatrixLeaf, ...]
+    padded: int
+
+    @property
+    def size(self) -> int:
+        return sum(m.batch for m in self.members)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.padded, self.rows, self.cols)
+
+    def slot_values(self, fn) -> np.ndarray:
+        """``fn(member)`` for every slot, padding slots repeating the first member."""
+        vals = [fn(m) for m in self.members for _ in range(m.batch)]
+        return np.asarray(vals + vals[:1] * (self.padded - len(vals)))
+
+    def stack(self, leaves: Sequence[jax.Array]) -> jax.Array:
+        """Stacks the members' leaves (in member order), zero-padded, as ``(padded, R, C)``."""
+        parts = [m.to_stored(x) for m, x in zip(self.members, leaves)]
+        if self.padded > self.size:
+            parts.append(jnp.zeros((self.padded - self.size, self.rows, self.cols),
+                                   parts[0].dtype))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def unstack(self, stacked: jax.Array) -> list[jax.Array]:
+        """Members' leaf-shaped arrays from a ``(padded, R, C)`` stack; padding dropped."""
+        out, offset = [], 0
+        for m in self.members:
+            out.append(m.from_stored(stacked[offset:offset + m.batch]))
+            offset += m.batch
+        return out
+
+
+def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],
+                num_devices: int) -> tuple[Stack, ...]:
+    """Groups Muon matrices into stacks, in first-seen order, each padded for the mesh."""
+    buckets: dict[tuple, list[MatrixLeaf]] = {}
+    for leaf in leaves:
+        key = leaf.stored_shape + (str(leaf.dtype), configs[leaf.group].static_key())
+        buckets.setdefault(key, []).append(leaf)
+    stacks = []
+    for members in buckets.values():
+        k = sum(m.batch for m in members)
+        padded = -(-k // num_devices) * num_devices
+        rows, cols = members[0].stored_shape
+        stacks.append(Stack(rows=rows, cols=cols, dtype=members[0].dtype,
+                            config=configs[members[0].group], members=tuple(members),
+                            padded=padded))
+    return tuple(stacks)

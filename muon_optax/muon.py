@@ -1,0 +1,168 @@
+"""Muon: Nesterov momentum, Polar Express, NorMuon and cautious weight decay.
+
+One step for a stack of K matrices ``(K, R, C)``, stored wide or square (``R <= C``,
+see :mod:`muon_optax.layout`), every operation per matrix:
+
+    buf = lerp(buf, G, 1 - momentum);  U = lerp(G, buf, momentum)        Nesterov
+    X   = U * (||U||_F / sqrt(rows)) / max(row_norms(U), 1e-6)           MuonEq (optional)
+    X   = PolarExpress(X / (1.01 ||X||_F + 1e-6))                        orthogonalize
+    O   = X * sqrt(min(R, C)) / max(||X||_F, 1e-6)                       Muon+ (optional)
+    v   = mean(O^2, axis=red);  s = lerp(s, v, 1 - beta2)                NorMuon
+    O   = O * rsqrt(s) * (||v||-preserving factor)
+    P   = P - lr_eff O - lr_eff wd P [O P >= 0]                           cautious decay
+
+``rows`` and ``red`` refer to the matrix's own orientation (PyTorch ``(out, in)``); a
+matrix stored transposed equilibrates its stored columns instead. ``lr_eff`` is
+``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
+arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from muon_optax.hparams import MuonConfig, Scalar, value_at
+from muon_optax.polar import default_compute_dtype, fro_norm, orthogonalize
+
+
+class MuonStackState(NamedTuple):
+    """Muon state of one stack, in the stored ``(K, R, C)`` layout (parameter dtype)."""
+
+    momentum: jax.Array          # (K, R, C)
+    second_moment: jax.Array     # NorMuon's factored buffer: (K, 1, C) wide, (K, R, 1) square
+
+
+def second_moment_shape(k: int, rows: int, cols: int) -> tuple[int, int, int]:
+    """The factored axis is the long one's complement: columns are averaged if R >= C."""
+    return (k, rows, 1) if rows >= cols else (k, 1, cols)
+
+
+def init_stack_state(k: int, rows: int, cols: int, dtype: Any) -> MuonStackState:
+    return MuonStackState(jnp.zeros((k, rows, cols), dtype),
+                          jnp.zeros(second_moment_shape(k, rows, cols), dtype))
+
+
+def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
+    """The group's hyperparameters at step ``count`` (before it is incremented)."""
+    return {k: value_at(getattr(cfg, k), count)
+            for k in ("lr", "momentum", "beta2", "weight_decay")}
+
+
+def _equilibrate(x: jax.Array, transposed: bool | jax.Array) -> jax.Array:
+    """MuonEq: scale each (original) row to the matrix's RMS row norm. Norms in float32."""
+    x32 = x.astype(jnp.float32)
+    fro = fro_norm(x32)
+
+    def scale(axis: int) -> jax.Array:  # axis summed over: -1 gives row norms (R, 1)
+        n_rows = x.shape[-2] if axis == -1 else x.shape[-1]
+        norms = jnp.sqrt(jnp.sum(x32 * x32, axis=axis, keepdims=True))
+        return (fro / jnp.sqrt(n_rows)) / jnp.maximum(norms, 1e-6)
+
+    if isinstance(transposed, bool):
+        factor = scale(-2) if transposed else scale(-1)
+    else:  # a stack mixing both orientations: pick per matrix
+        factor = jnp.where(transposed[:, None, None], scale(-2), scale(-1))
+    return x * factor.astype(x.dtype)
+
+
+def muon_stack_update(
+    g: jax.Array,
+    p: jax.Array,
+    state: MuonStackState,
+    *,
+    lr: jax.Array,
+    momentum: jax.Array,
+    beta2: jax.Array,
+    weight_decay: jax.Array,
+    transposed: bool | jax.Array,
+    cfg: MuonConfig,
+) -> tuple[jax.Array, MuonStackState]:
+    """One Muon step on a stored stack; returns ``(P_new - P, new state)``.
+
+    ``g`` and ``p`` are ``(K, R, C)`` with ``R <= C``. The hyperparameters are scalars or
+    per-matrix ``(K, 1, 1)`` arrays; ``lr`` already includes the aspect-ratio factor.
+    ``transposed`` says whether a matrix's own rows are the stored columns (a bool for
+    the whole stack, or a ``(K,)`` array). Zero padding stays exactly zero.
+    """
+    f32 = jnp.float32
+    rows, cols = g.shape[-2:]
+    dtype = p.dtype
+    compute_dtype = cfg.compute_dtype or default_compute_dtype()
+
+    g32, buf32 = g.astype(f32), state.momentum.astype(f32)
+    buf32 = buf32 + (1 - momentum) * (g32 - buf32)
+    u = g32 + momentum * (buf32 - g32)
+
+    x = u.astype(compute_dtype)
+    if cfg.row_equilibration:
+        x = _equilibrate(x, transposed)
+    o = orthogonalize(x, cfg.ns_steps, compute_dtype=compute_dtype)
+    o = o.astype(dtype).astype(f32)  # the rule rounds O to the parameter dtype here
+    if cfg.renormalize:
+        o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro_norm(o), 1e-6))
+
+    # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
+    # the matrix's overall norm is kept.
+    red = -1 if rows >= cols else -2
+    n = o.shape[red]
+    v = jnp.mean(o * o, axis=red, keepdims=True)
+    v_norm = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)
+    s = state.second_moment.astype(f32)
+    s = (s + (1 - beta2) * (v - s)).astype(dtype)
+    step = jax.lax.rsqrt(jnp.maximum(s.astype(f32), 1e-10))
+    v_norm_new = jnp.sqrt(jnp.sum(v * n * step * step, axis=(-2, -1), keepdims=True))
+    o = o * (step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
+
+    # Cautious weight decay: decay only where the update and the weight agree in sign.
+    p32 = p.astype(f32)
+    mask = (o * p32) >= 0
+    update = -lr * o - (lr * weight_decay) * jnp.where(mask, p32, 0.0)
+    return update.astype(dtype), MuonStackState(buf32.astype(dtype), s)
+
+
+def muon(
+    lr: Scalar,
+    momentum: Scalar = 0.95,
+    ns_steps: int = 5,
+    beta2: Scalar = 0.95,
+    weight_decay: Scalar = 0.0,
+    *,
+    row_equilibration: bool = True,
+    renormalize: bool = True,
+    compute_dtype: Any = None,
+    dimension_numbers: Any = None,
+) -> optax.GradientTransformation:
+    """Muon on every leaf (each must have two or more axes), as nanochat computes it.
+
+    Same-shape matrices are stacked and updated by one batched program. Usable alone or
+    inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the same arithmetic
+    for its Muon groups.
+
+    Args:
+      lr: learning rate; a matrix with more rows than columns (out > in) gets
+        ``lr * sqrt(out / in)``.
+      momentum: Nesterov momentum coefficient.
+      ns_steps: Polar Express iterations, 1..5 (static).
+      beta2: decay rate of NorMuon's factored second moment.
+      weight_decay: cautious decoupled weight decay, multiplied by ``lr``.
+      row_equilibration: MuonEq row scaling before the polar iteration.
+      renormalize: Muon+ rescaling of the polar factor to Frobenius norm
+        ``sqrt(min(R, C))``.
+      compute_dtype: dtype of the polar iteration; default float32 on CPU, bfloat16 on
+        accelerators.
+      dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
+        params -> tree); default: last two axes ``(in, out)``, leading axes batch.
+
+    Returns:
+      An ``optax.GradientTransformation``; ``update`` needs ``params``.
+    """
+    from muon_optax.optimizer import build  # the shared engine; imported late (cycle)
+
+    cfg = MuonConfig.make(lr, momentum, ns_steps, beta2, weight_decay, row_equilibration,
+                          renormalize, compute_dtype, where="muon")
+    return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
+                 dimension_numbers=dimension_numbers)

@@ -1,0 +1,292 @@
+"""``muon_adamw``: nanochat's MuonAdamW as one optax transformation.
+
+The data flow of one step (everything but the arithmetic is decided at trace time):
+
+    grads, params
+      -> labels: a group per leaf
+      -> AdamW leaves: one fused elementwise update each (float32 math)
+      -> Muon leaves: canonical (out, in) matrices, stored wide, stacked by shape
+         -> one batched Muon program per stack -> unstacked to each leaf's layout
+      -> updates (P_new - P), new state
+
+With ``axis_name`` the same step runs inside ``jax.shard_map`` as ZeRO-2 (see
+:mod:`muon_optax.sharding`): gradients are reduce-scattered (mean) before the
+arithmetic, each device updates its share, the updates are all-gathered after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from muon_optax.adamw import adamw_hparams, adamw_leaf_update
+from muon_optax.hparams import AdamWConfig, MuonConfig, parse_groups
+from muon_optax.labels import flat_labels, path_str
+from muon_optax.layout import Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
+from muon_optax.muon import MuonStackState, init_stack_state, muon_hparams, muon_stack_update
+from muon_optax.sharding import Collectives, adamw_shard_axis, pad_to, padded_shape, spec
+
+SMALL_PARAM_THRESHOLD = 1024
+
+
+class MuonAdamWState(NamedTuple):
+    """State of :func:`muon_adamw`.
+
+    ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon
+    leaves; under ``axis_name`` a large AdamW parameter's moments are this device's
+    slice. ``muon`` holds one :class:`MuonStackState` per stack (see ``stack_info``).
+    """
+
+    count: jax.Array                       # int32 steps taken
+    mu: Any
+    nu: Any
+    muon: tuple[MuonStackState, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWLeaf:
+    index: int
+    path: str
+    group: str
+    shape: tuple[int, ...]
+    axis: int | None            # split axis under ZeRO-2, None when replicated
+    padded: tuple[int, ...]     # the (global) shape of its moments
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static layout of one params tree: which leaf goes where."""
+
+    treedef: Any
+    paths: tuple[str, ...]
+    adamw: tuple[AdamWLeaf, ...]
+    stacks: tuple[Stack, ...]
+
+
+def _make_plan(params: Any, configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any,
+               dimension_numbers: Any, num_devices: int, threshold: int) -> Plan:
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = tuple(path_str(p) for p, _ in leaves_with_path)
+    leaves = [x for _, x in leaves_with_path]
+    for path, x in zip(paths, leaves):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"parameter {path!r} is a {type(x).__name__}, not an array.")
+    labels = flat_labels(param_labels, params, paths, list(configs))
+    dims = flat_dimension_numbers(dimension_numbers, params)
+    adamw_leaves, matrices = [], []
+    for i, (path, x, label) in enumerate(zip(paths, leaves, labels)):
+        if isinstance(configs[label], MuonConfig):
+            matrices.append(matrix_leaf(i, path, x, label, dims[i]))
+        else:
+            shape = tuple(x.shape)
+            axis = adamw_shard_axis(shape, num_devices, threshold)
+            adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis,
+                                          padded_shape(shape, axis, num_devices)))
+    return Plan(treedef, paths, tuple(adamw_leaves), plan_stacks(matrices, configs, num_devices))
+
+
+def _local_shape(shape: tuple[int, ...], axis: int | None, n: int) -> tuple[int, ...]:
+    return shape if axis is None else shape[:axis] + (shape[axis] // n,) + shape[axis + 1:]
+
+
+def _slot_hparams(stack: Stack, hps: dict[str, dict[str, jax.Array]], comm: Collectives):
+    """Per-matrix hyperparameters of this device's slots: scalars when uniform."""
+    groups = stack.slot_values(lambda m: m.group)
+    scales = stack.slot_values(lambda m: m.lr_scale)
+    names = sorted(set(groups.tolist()))
+
+    def per_slot(values: np.ndarray | jax.Array) -> jax.Array:
+        return comm.local(values)[:, None, None]
+
+    out = {}
+    for k in ("momentum", "beta2", "weight_decay", "lr"):
+        if len(names) == 1:
+            out[k] = hps[names[0]][k]
+        else:
+            table = jnp.stack([hps[g][k] for g in names])
+            out[k] = per_slot(table[np.searchsorted(names, groups)])
+    if np.all(scales == scales[0]):
+        out["lr"] = out["lr"] * float(scales[0])
+    else:
+        out["lr"] = out["lr"] * per_slot(scales.astype(np.float32))
+    flags = stack.slot_values(lambda m: m.transposed)
+    out["transposed"] = bool(flags[0]) if np.all(flags == flags[0]) else comm.local(flags)
+    return out
+
+
+def build(
+    configs: Mapping[str, AdamWConfig | MuonConfig],
+    param_labels: Any,
+    *,
+    dimension_numbers: Any = None,
+    axis_name: str | None = None,
+    small_param_threshold: int = SMALL_PARAM_THRESHOLD,
+) -> optax.GradientTransformation:
+    """The engine behind :func:`muon_adamw`, :func:`muon_optax.muon` and ``adamw``."""
+
+    def plan_for(params: Any, num_devices: int) -> Plan:
+        return _make_plan(params, configs, param_labels, dimension_numbers, num_devices,
+                          small_param_threshold)
+
+    def init_fn(params):
+        comm = Collectives(axis_name)
+        plan = plan_for(params, comm.size)
+        leaves = plan.treedef.flatten_up_to(params)
+        moments = [optax.MaskedNode()] * len(leaves)
+        for a in plan.adamw:
+            moments[a.index] = jnp.zeros(_local_shape(a.padded, a.axis, comm.size),
+                                         leaves[a.index].dtype)
+        tree = plan.treedef.unflatten(moments)
+        muon = tuple(init_stack_state(s.padded // comm.size, s.rows, s.cols, s.dtype)
+                     for s in plan.stacks)
+        return MuonAdamWState(jnp.zeros([], jnp.int32), tree, jax.tree.map(jnp.copy, tree),
+                              muon)
+
+    def update_fn(grads, state, params=None):
+        needs_params = any(isinstance(c, MuonConfig) or c.needs_params()
+                           for c in configs.values())
+        if params is None and needs_params:
+            raise ValueError("muon_adamw: update needs the params (Muon's cautious weight "
+                             "decay and AdamW's weight decay read them): call "
+                             "tx.update(grads, state, params).")
+        reference = grads if params is None else params
+        if params is not None and jax.tree.structure(grads) != jax.tree.structure(params):
+            raise ValueError("muon_adamw: grads and params differ in structure:\n"
+                             f"grads:  {jax.tree.structure(grads)}\n"
+                             f"params: {jax.tree.structure(params)}")
+        comm = Collectives(axis_name)
+        plan = plan_for(reference, comm.size)
+        g_leaves = plan.treedef.flatten_up_to(grads)
+        p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
+        for path, g, x in zip(plan.paths, g_leaves, p_leaves or g_leaves):
+            if tuple(g.shape) != tuple(x.shape):
+                raise ValueError(f"muon_adamw: the gradient of {path!r} has shape {g.shape}"
+                                 f" but the parameter has shape {x.shape}.")
+        if len(state.muon) != len(plan.stacks):
+            raise ValueError("muon_adamw: the state was made for other params (its Muon "
+                             "stacks differ); call tx.init on these params.")
+
+        count = state.count
+        hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
+                      else muon_hparams(c, count)) for name, c in configs.items()}
+        updates = [None] * len(g_leaves)
+        mu = plan.treedef.flatten_up_to(state.mu)
+        nu = plan.treedef.flatten_up_to(state.nu)
+
+        # AdamW: small params are all-reduced and updated everywhere; large ones are
+        # reduce-scattered along their split axis, updated as a slice, gathered back.
+        t = count + 1
+        for a in plan.adamw:
+            g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
+            if a.axis is None:
+                g = comm.mean(g)
+            else:
+                g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
+                p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
+            u, mu[a.index], nu[a.index] = adamw_leaf_update(
+                g, p, mu[a.index], nu[a.index], t, hps[a.group])
+            if a.axis is not None:
+                u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
+            updates[a.index] = u
+
+        # Muon: per stack, reduce-scatter the stacked gradients so each device holds the
+        # mean gradient of the matrices it owns, update them, all-gather the updates.
+        # Stacks are independent, so XLA may overlap one's collectives with another's math.
+        new_muon = []
+        for stack, st in zip(plan.stacks, state.muon):
+            g = comm.mean_scatter(stack.stack([g_leaves[m.index] for m in stack.members]), 0)
+            p = comm.local(stack.stack([p_leaves[m.index] for m in stack.members]), 0)
+            hp = _slot_hparams(stack, hps, comm)
+            u, st = muon_stack_update(g, p, st, cfg=stack.config, **hp)
+            new_muon.append(st)
+            for m, u_leaf in zip(stack.members, stack.unstack(comm.gather(u, 0))):
+                updates[m.index] = u_leaf
+
+        new_state = MuonAdamWState(
+            optax.safe_int32_increment(count), plan.treedef.unflatten(mu),
+            plan.treedef.unflatten(nu), tuple(new_muon))
+        return plan.treedef.unflatten(updates), new_state
+
+    def state_specs(params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
+        if axis_name is None:
+            raise ValueError("state_specs: this transformation was built without "
+                             "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
+        if axis_name not in mesh.shape:
+            raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
+                             f"{axis_name!r}.")
+        plan = plan_for(params, mesh.shape[axis_name])
+        moments = [optax.MaskedNode()] * len(plan.paths)
+        for a in plan.adamw:
+            moments[a.index] = spec(a.axis, axis_name)
+        tree = plan.treedef.unflatten(moments)
+        stacked = MuonStackState(spec(0, axis_name), spec(0, axis_name))
+        return MuonAdamWState(spec(None, axis_name), tree, tree,
+                              tuple(stacked for _ in plan.stacks))
+
+    def stack_info(params: Any, num_devices: int = 1) -> list[dict[str, Any]]:
+        """Which matrices each stack holds, for inspection and the benchmarks."""
+        plan = plan_for(params, num_devices)
+        return [dict(shape=(s.rows, s.cols), dtype=str(s.dtype), size=s.size,
+                     padded=s.padded, members=[m.path for m in s.members])
+                for s in plan.stacks]
+
+    return optax.GradientTransformation(_Init(init_fn, state_specs, stack_info), update_fn)
+
+
+class _Init:
+    """``tx.init``, carrying what :func:`muon_optax.state_specs` needs to know."""
+
+    def __init__(self, fn: Callable, state_specs: Callable, stack_info: Callable):
+        self._fn, self.state_specs, self.stack_info = fn, state_specs, stack_info
+
+    def __call__(self, params: Any) -> MuonAdamWState:
+        return self._fn(params)
+
+
+def muon_adamw(
+    groups: Mapping[str, Mapping[str, Any]],
+    param_labels: Any,
+    *,
+    dimension_numbers: Any = None,
+    axis_name: str | None = None,
+    small_param_threshold: int = SMALL_PARAM_THRESHOLD,
+) -> optax.GradientTransformation:
+    """nanochat's MuonAdamW: AdamW and Muon parameter groups in one transformation.
+
+    Args:
+      groups: group name -> a dict in nanochat's ``param_groups`` format without
+        ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
+        ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``; Muon groups
+        also take ``row_equilibration`` (default True), ``renormalize`` (default True)
+        and ``compute_dtype``. Every scalar may be an optax schedule of the step count.
+      param_labels: the params' tree with a group name at every leaf, or a callable
+        params -> such a tree (see :func:`muon_optax.label_by_path`).
+      dimension_numbers: which axes of a Muon leaf are input (``reduction_axis``) and
+        output (``output_axis``) axes, as ``optax.contrib.MuonDimensionNumbers``: one for
+        all, a tree of them, or a callable. Default: the last two axes are ``(in, out)``
+        (Flax layout), leading axes are batch axes (a scanned ``(L, in, out)`` stack is L
+        matrices). PyTorch layout is ``MuonDimensionNumbers(reduction_axis=1,
+        output_axis=0)``.
+      axis_name: a mesh axis to shard over (ZeRO-2); then ``init`` and ``update`` run
+        inside ``jax.shard_map`` and ``update`` takes each device's own, unreduced
+        gradients. See :func:`muon_optax.state_specs`.
+      small_param_threshold: under ``axis_name``, AdamW params with fewer elements are
+        all-reduced and replicated instead of split.
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`MuonAdamWState`. ``update``
+      needs ``params``.
+    """
+    configs = parse_groups(groups)
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be a mesh axis name (str), got {axis_name!r}.")
+    if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
+        raise TypeError("small_param_threshold must be an int (elements).")
+    return build(configs, param_labels, dimension_numbers=dimension_numbers,
+                 axis_name=axis_name, small_param_threshold=small_param_threshold)

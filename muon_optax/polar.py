@@ -1,0 +1,96 @@
+"""Polar Express: the batched orthogonalization at the heart of Muon.
+
+Muon replaces a momentum matrix ``G`` by (an approximation of) its polar factor
+``U V^T``, where ``G = U S V^T`` is the SVD: every singular value is pushed to about one.
+Polar Express (Amsel, Persson, Musco, Gower, arXiv:2505.16932) does this with a few
+matrix-only iterations, each an odd polynomial of the matrix with its own coefficients:
+
+    X_{k+1} = a_k X_k + b_k (X_k X_k^T) X_k + c_k (X_k X_k^T)^2 X_k
+
+The Gram matrix is taken on the short side, so a wide ``(R, C)`` matrix (``R <= C``)
+works with ``R x R`` products and a tall one with ``C x C`` products. Every function here
+is batched over leading axes: a stack ``(K, R, C)`` is K independent matrices computed as
+one XLA program, which is what nanochat gets from torch.compile'd kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), as given
+# in the paper and used by nanochat. Iteration k uses the k-th triple (a, b, c).
+POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def default_compute_dtype() -> jnp.dtype:
+    """bfloat16 on accelerators, float32 on CPU (where bf16 matmuls are slow)."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
+    """``ns_steps`` is a static Python int in 1..5: it sets the program's length."""
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+        raise TypeError(f"{where}: ns_steps must be a Python int in 1..5, got {ns_steps!r}.")
+    if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
+        raise ValueError(
+            f"{where}: ns_steps={ns_steps} is outside 1..{len(POLAR_EXPRESS_COEFFS)}; Polar "
+            f"Express has coefficients for {len(POLAR_EXPRESS_COEFFS)} iterations.")
+    return ns_steps
+
+
+def fro_norm(x: jax.Array) -> jax.Array:
+    """Frobenius norm of each matrix over the last two axes, in float32, keepdims."""
+    x = x.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    # float32 means true float32: without HIGHEST, GPUs may run TF32 matmuls.
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.matmul(a, b, precision=precision)
+
+
+def polar_express(x: jax.Array, ns_steps: int = 5) -> jax.Array:
+    """Runs the first ``ns_steps`` Polar Express iterations on ``x`` (..., R, C) as is.
+
+    ``x`` must already be scaled so that its spectral norm is at most one (see
+    :func:`orthogonalize`). The arithmetic stays in ``x.dtype``.
+    """
+    check_ns_steps(ns_steps, "polar_express")
+    tall = x.shape[-2] > x.shape[-1]
+    for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
+        if tall:  # Gram on the short (column) side: X (b A + c A^2), A = X^T X
+            gram = _matmul(jnp.swapaxes(x, -1, -2), x)
+            x = a * x + _matmul(x, b * gram + c * _matmul(gram, gram))
+        else:  # wide or square: (b A + c A^2) X, A = X X^T
+            gram = _matmul(x, jnp.swapaxes(x, -1, -2))
+            x = a * x + _matmul(b * gram + c * _matmul(gram, gram), x)
+    return x
+
+
+def orthogonalize(
+    x: jax.Array,
+    ns_steps: int = 5,
+    *,
+    compute_dtype: jnp.dtype | str | None = None,
+) -> jax.Array:
+    """Approximate polar factor of each matrix in ``x`` (..., R, C).
+
+    Scales each matrix into the iteration's basin, ``X / (1.01 ||X||_F + 1e-6)``, then
+    runs ``ns_steps`` Polar Express iterations in ``compute_dtype`` (default: float32 on
+    CPU, bfloat16 on GPU/TPU). Returns the result in ``compute_dtype``. A zero matrix
+    stays zero.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"orthogonalize needs (..., R, C) matrices, got shape {x.shape}.")
+    dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else default_compute_dtype()
+    x = x.astype(dtype)
+    x = x / (1.01 * fro_norm(x) + 1e-6).astype(dtype)
+    return polar_express(x, ns_steps)

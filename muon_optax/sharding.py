@@ -1,0 +1,115 @@
+"""ZeRO-2 along one mesh axis: who owns what, and the collectives that move it.
+
+nanochat's ``DistMuonAdamW`` shards the optimizer without DDP: reduce-scatter the
+gradients, update only the owned share with state for only that share, all-gather the
+result. Inside ``jax.shard_map`` the same program runs on every device, so ownership is
+by position: device ``d`` owns slots ``[d*S, (d+1)*S)`` of every Muon stack (stacks are
+zero-padded to a multiple of N) and the ``d``-th slice of every large AdamW parameter
+along one axis (padded when no axis divides). Stacks merge all groups and both
+orientations of a shape (see :mod:`muon_optax.layout`), so padding, the only source of
+imbalance, is paid once per stored shape instead of once per group and shape.
+
+With ``axis_name=None`` the same code runs with N = 1 and every collective is the
+identity: the single-device optimizer is the sharded one on one device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+
+class Collectives:
+    """Mean-reduce, scatter and gather along ``axis_name`` (identity when it is None)."""
+
+    def __init__(self, axis_name: str | None):
+        self.axis_name = axis_name
+        self.size = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+
+    def index(self) -> jax.Array | int:
+        return 0 if self.size == 1 else jax.lax.axis_index(self.axis_name)
+
+    def mean(self, x: jax.Array) -> jax.Array:
+        """All-reduce (mean): the small params' gradients."""
+        if self.size == 1:
+            return x
+        return (jax.lax.psum(x, self.axis_name) / self.size).astype(x.dtype)
+
+    def mean_scatter(self, x: jax.Array, axis: int) -> jax.Array:
+        """Reduce-scatter (mean): this device's 1/N of ``x`` along ``axis``."""
+        if self.size == 1:
+            return x
+        y = jax.lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
+        return (y / self.size).astype(x.dtype)
+
+    def gather(self, x: jax.Array, axis: int) -> jax.Array:
+        """All-gather: the devices' slices concatenated along ``axis``."""
+        if self.size == 1:
+            return x
+        return jax.lax.all_gather(x, self.axis_name, axis=axis, tiled=True)
+
+    def local(self, x: jax.Array | np.ndarray, axis: int = 0) -> jax.Array:
+        """This device's 1/N slice of a replicated array along ``axis`` (no communication)."""
+        if self.size == 1:
+            return jnp.asarray(x)
+        n = x.shape[axis] // self.size
+        return jax.lax.dynamic_slice_in_dim(jnp.asarray(x), self.index() * n, n, axis)
+
+
+def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -> int | None:
+    """The axis along which a large AdamW parameter is split, or None (replicated).
+
+    Parameters under ``threshold`` elements are all-reduced and updated everywhere.
+    Otherwise prefer the longest axis that N divides; failing that, the longest axis,
+    zero-padded up to a multiple of N.
+    """
+    if num_devices == 1 or math.prod(shape) < threshold or not shape:
+        return None
+    by_length = sorted(range(len(shape)), key=lambda a: -shape[a])
+    dividing = [a for a in by_length if shape[a] % num_devices == 0]
+    return dividing[0] if dividing else by_length[0]
+
+
+def padded_shape(shape: tuple[int, ...], axis: int | None, num_devices: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(shape)
+    out = list(shape)
+    out[axis] = -(-shape[axis] // num_devices) * num_devices
+    return tuple(out)
+
+
+def pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+
+
+def spec(axis: int | None, axis_name: str | None) -> P:
+    """PartitionSpec of an array split along ``axis`` over ``axis_name`` (None: replicated)."""
+    if axis is None or axis_name is None:
+        return P()
+    return P(*([None] * axis), axis_name)
+
+
+def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
+    """PartitionSpecs of ``tx``'s state for ``jax.shard_map``'s ``in_specs``/``out_specs``.
+
+    ``tx`` is a transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``)
+    built with an ``axis_name``; ``params`` the full params (arrays or shape structs).
+    Sharded leaves get ``P(axis_name)`` on their split axis, the rest ``P()``::
+
+        specs = muon_optax.state_specs(tx, params, mesh)
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
+                                      out_specs=specs))(params)
+    """
+    specs_fn = getattr(tx.init, "state_specs", None)
+    if specs_fn is None:
+        raise TypeError("state_specs needs the transformation returned by "
+                        "muon_optax.muon_adamw (or muon/adamw) itself, not a chain or a "
+                        "wrapper around it; give the wrapper's own state P().")
+    return specs_fn(params, mesh)

@@ -1,0 +1,169 @@
+"""muon_adamw against the independent float64 reference (tests/reference.py)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import muon_optax
+from muon_optax import MuonDimensionNumbers
+
+try:
+    from . import reference
+except ImportError:  # plain `pytest` rootdir imports
+    import reference
+
+TORCH_LAYOUT = MuonDimensionNumbers(reduction_axis=1, output_axis=0)
+
+
+def adamw_group(**kw):
+    return dict(kind="adamw", lr=optax.linear_schedule(0.01, 0.002, 10), betas=(0.8, 0.95),
+                eps=1e-10, weight_decay=optax.cosine_decay_schedule(0.1, 10)) | kw
+
+
+def muon_group(**kw):
+    return dict(kind="muon", lr=optax.linear_schedule(0.02, 0.005, 10),
+                momentum=optax.linear_schedule(0.85, 0.95, 10), ns_steps=5,
+                beta2=optax.linear_schedule(0.9, 0.95, 10), weight_decay=0.2,
+                compute_dtype=jnp.float32) | kw
+
+
+def random_tree(shapes, seed=0, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+    return {name: (0.5 * jax.random.normal(k, s)).astype(dtype)
+            for k, (name, s) in zip(keys, sorted(shapes.items()))}
+
+
+def run_both(shapes, groups, labels, *, steps=10, dims=None, layouts=None,
+             dtype=jnp.float32, seed=0):
+    """Runs both optimizers on the same gradients; returns per-step param changes."""
+    params = random_tree(shapes, seed, dtype)
+    tx = muon_optax.muon_adamw(groups, labels, dimension_numbers=dims)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    ref = reference.ReferenceMuonAdamW(groups, labels, layouts)
+    ref_params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    changes = []
+    for step in range(steps):
+        grads = random_tree(shapes, seed + 100 + step, dtype)
+        updates, state = update(grads, state, params)
+        new = optax.apply_updates(params, updates)
+        ref_new = ref.step(ref_params, {k: np.asarray(v, np.float64) for k, v in grads.items()})
+        changes.append(({k: np.asarray(new[k], np.float64) - ref_params[k] for k in new},
+                        {k: ref_new[k] - ref_params[k] for k in new},
+                        {k: float(jnp.finfo(dtype).eps) * np.abs(ref_params[k]) for k in new}))
+        # Both continue from the library's params (rounded to the param dtype), so the
+        # comparison measures one step's error, not an accumulated drift.
+        params, ref_params = new, {k: np.asarray(v, np.float64) for k, v in new.items()}
+    return changes
+
+
+def assert_changes_close(changes, rtol):
+    """Relative error of each step's parameter change under ``rtol``.
+
+    Storing the new parameter rounds it to its dtype, so one rounding step of the
+    parameter (half an ulp) is allowed on top: a change that nearly cancels (decay
+    against the step) cannot be stored more exactly than that.
+    """
+    for step, (got, want, ulp) in enumerate(changes):
+        for k in want:
+            err = np.linalg.norm(got[k] - want[k])
+            allowed = rtol * np.linalg.norm(want[k]) + 0.5 * np.linalg.norm(ulp[k])
+            rel = err / max(np.linalg.norm(want[k]), 1e-30)
+            assert err <= allowed, f"step {step}, {k}: relative error {rel:.2e} > {rtol}"
+
+
+MIXED = {"embed": (96, 16), "bias": (16,), "scalar": (), "head": (16, 40),
+         "wide": (16, 48), "tall": (48, 16), "square": (32, 32), "square2": (32, 32),
+         "square3": (16, 16)}
+MIXED_LABELS = {"embed": "embed", "bias": "scalars", "scalar": "scalars", "head": "head",
+                "wide": "matrix", "tall": "matrix", "square": "matrix", "square2": "matrix",
+                "square3": "matrix2"}
+
+
+def mixed_groups(**muon_kw):
+    return {"embed": adamw_group(), "head": adamw_group(lr=0.004, weight_decay=0.0),
+            "scalars": adamw_group(betas=(0.9, 0.99)), "matrix": muon_group(**muon_kw),
+            "matrix2": muon_group(lr=0.01, **muon_kw)}
+
+
+def test_mixed_tree_matches_reference():
+    assert_changes_close(run_both(MIXED, mixed_groups(), MIXED_LABELS), 1e-5)
+
+
+@pytest.mark.parametrize("row_equilibration", [True, False])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_muon_options_match_reference(row_equilibration, renormalize):
+    groups = mixed_groups(row_equilibration=row_equilibration, renormalize=renormalize)
+    assert_changes_close(run_both(MIXED, groups, MIXED_LABELS, steps=10), 1e-5)
+
+
+@pytest.mark.parametrize("ns_steps", [1, 2, 3, 4, 5])
+def test_ns_steps_match_reference(ns_steps):
+    shapes = {"wide": (16, 48), "tall": (40, 24), "square": (24, 24)}
+    labels = dict.fromkeys(shapes, "m")
+    changes = run_both(shapes, {"m": muon_group(ns_steps=ns_steps)}, labels)
+    assert_changes_close(changes, 1e-5)
+
+
+def test_large_matrices_match_reference():
+    # Bigger matrices: float32 matmul rounding grows; cautious decay off so a float32
+    # sign flip of O*P near zero does not count as an error.
+    shapes = {"wide": (128, 512), "tall": (512, 128), "square": (256, 256)}
+    labels = dict.fromkeys(shapes, "m")
+    changes = run_both(shapes, {"m": muon_group(weight_decay=0.0)}, labels, steps=4)
+    assert_changes_close(changes, 5e-5)
+
+
+def test_large_adamw_matches_reference():
+    shapes = {"big": (512, 300), "small": (7,)}
+    changes = run_both(shapes, {"a": adamw_group()}, dict.fromkeys(shapes, "a"))
+    assert_changes_close(changes, 1e-6)
+
+
+def test_torch_layout_matches_reference():
+    shapes = {"wide": (16, 48), "tall": (48, 16), "square": (16, 16)}
+    labels = dict.fromkeys(shapes, "m")
+    layouts = dict.fromkeys(shapes, ((1,), (0,)))
+    changes = run_both(shapes, {"m": muon_group()}, labels, dims=TORCH_LAYOUT,
+                       layouts=layouts)
+    assert_changes_close(changes, 1e-5)
+
+
+def test_batch_axes_and_multi_axis_matrices_match_reference():
+    shapes = {"layers": (3, 16, 48), "heads": (16, 4, 8), "plain": (48, 16)}
+    dims = {"layers": None, "plain": None,
+            "heads": MuonDimensionNumbers(reduction_axis=0, output_axis=(1, 2))}
+    layouts = {"heads": ((0,), (1, 2))}
+    changes = run_both(shapes, {"m": muon_group()}, dict.fromkeys(shapes, "m"), dims=dims,
+                       layouts=layouts)
+    assert_changes_close(changes, 1e-5)
+
+
+def test_bf16_params_match_reference():
+    changes = run_both(MIXED, mixed_groups(), MIXED_LABELS, dtype=jnp.bfloat16)
+    # bf16 parameters round every change to 8 bits of mantissa.
+    assert_changes_close(changes, 1e-2)
+
+
+def test_flax_layout_update_is_transpose_of_torch_layout():
+    shapes = {"w": (24, 40), "v": (40, 24)}
+    params = random_tree(shapes)
+    grads = random_tree(shapes, seed=1)
+    groups = {"m": muon_group()}
+    labels = dict.fromkeys(shapes, "m")
+    flax_tx = muon_optax.muon_adamw(groups, labels)
+    torch_tx = muon_optax.muon_adamw(groups, labels, dimension_numbers=TORCH_LAYOUT)
+    t = lambda tree: jax.tree.map(jnp.transpose, tree)  # noqa: E731
+    u_flax, _ = flax_tx.update(grads, flax_tx.init(params), params)
+    u_torch, _ = torch_tx.update(t(grads), torch_tx.init(t(params)), t(params))
+    chex.assert_trees_all_equal(u_flax, t(u_torch))
+
+
+def test_several_shapes_in_one_group_are_stacked():
+    params = random_tree({"a": (16, 48), "b": (48, 16), "c": (16, 16), "d": (2, 16, 16)})
+    tx = muon_optax.muon_adamw({"m": muon_group()}, lambda p: jax.tree.map(lambda _: "m", p))
+    info = tx.init.stack_info(params)
+    assert [(s["shape"], s["size"]) for s in info] == [((16, 48), 2), ((16, 16), 3)]
