@@ -23,6 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+try:  # Varying -> Invariant all-gather: lets out_specs=P() hold under check_vma.
+    from jax.lax import all_gather_invariant as _gather_invariant
+except ImportError:
+    try:
+        from jax._src.lax.parallel import all_gather_invariant as _gather_invariant
+    except ImportError:  # older jax: plain all_gather (then shard_map needs check_vma=False)
+        _gather_invariant = jax.lax.all_gather
+
 
 class Collectives:
     """Mean-reduce, scatter and gather along ``axis_name`` (identity when it is None)."""
@@ -30,28 +38,35 @@ class Collectives:
     def __init__(self, axis_name: str | None):
         self.axis_name = axis_name
         self.size = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+        # On a one-device axis the collectives still run: they turn the per-device
+        # ("varying") gradients into replicated values, and XLA compiles them away.
+        self.active = axis_name is not None
 
     def index(self) -> jax.Array | int:
         return 0 if self.size == 1 else jax.lax.axis_index(self.axis_name)
 
     def mean(self, x: jax.Array) -> jax.Array:
         """All-reduce (mean): the small params' gradients."""
-        if self.size == 1:
+        if not self.active:
             return x
         return (jax.lax.psum(x, self.axis_name) / self.size).astype(x.dtype)
 
     def mean_scatter(self, x: jax.Array, axis: int) -> jax.Array:
         """Reduce-scatter (mean): this device's 1/N of ``x`` along ``axis``."""
-        if self.size == 1:
+        if not self.active:
             return x
         y = jax.lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
         return (y / self.size).astype(x.dtype)
 
     def gather(self, x: jax.Array, axis: int) -> jax.Array:
-        """All-gather: the devices' slices concatenated along ``axis``."""
-        if self.size == 1:
+        """All-gather: the devices' slices concatenated along ``axis``, the same everywhere.
+
+        The result is marked invariant along the axis (every device holds the same
+        value), so a train step may return the params with ``out_specs=P()``.
+        """
+        if not self.active:
             return x
-        return jax.lax.all_gather(x, self.axis_name, axis=axis, tiled=True)
+        return _gather_invariant(x, self.axis_name, axis=axis, tiled=True)
 
     def local(self, x: jax.Array | np.ndarray, axis: int = 0) -> jax.Array:
         """This device's 1/N slice of a replicated array along ``axis`` (no communication)."""
@@ -68,7 +83,7 @@ def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -
     Otherwise prefer the longest axis that N divides; failing that, the longest axis,
     zero-padded up to a multiple of N.
     """
-    if num_devices == 1 or math.prod(shape) < threshold or not shape:
+    if math.prod(shape) < threshold or not shape:
         return None
     by_length = sorted(range(len(shape)), key=lambda a: -shape[a])
     dividing = [a for a in by_length if shape[a] % num_devices == 0]
