@@ -126,6 +126,7 @@ def build(
     *,
     dimension_numbers: Any = None,
     axis_name: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
     small_param_threshold: int = SMALL_PARAM_THRESHOLD,
 ) -> optax.GradientTransformation:
     """The engine behind :func:`muon_adamw`, :func:`muon_optax.muon` and ``adamw``."""
@@ -135,7 +136,7 @@ def build(
                           small_param_threshold)
 
     def init_fn(params):
-        comm = Collectives(axis_name)
+        comm = Collectives(axis_name, grads_reduced=mesh is not None)
         plan = plan_for(params, comm.size)
         leaves = plan.treedef.flatten_up_to(params)
         moments = [optax.MaskedNode()] * len(leaves)
@@ -160,7 +161,7 @@ def build(
             raise ValueError("muon_adamw: grads and params differ in structure:\n"
                              f"grads:  {jax.tree.structure(grads)}\n"
                              f"params: {jax.tree.structure(params)}")
-        comm = Collectives(axis_name)
+        comm = Collectives(axis_name, grads_reduced=mesh is not None)
         plan = plan_for(reference, comm.size)
         g_leaves = plan.treedef.flatten_up_to(grads)
         p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
@@ -236,7 +237,30 @@ def build(
                      padded=s.padded, members=[m.path for m in s.members])
                 for s in plan.stacks]
 
+    if mesh is not None:
+        init_fn, update_fn = _wrap_in_shard_map(init_fn, update_fn, state_specs, mesh)
     return optax.GradientTransformation(_Init(init_fn, state_specs, stack_info), update_fn)
+
+
+def _wrap_in_shard_map(init_fn, update_fn, state_specs, mesh):
+    """For plain ``jax.jit`` users: init and update run their own ``shard_map``.
+
+    The gradients come in replicated (already averaged by XLA); each device takes the
+    share it owns, updates it with its shard of the state, and all-gathers the updates.
+    The state lives sharded over the mesh axis, as in the explicit ZeRO-2 form.
+    """
+    P = jax.sharding.PartitionSpec
+
+    def init(params):
+        specs = state_specs(params, mesh)
+        return jax.shard_map(init_fn, mesh=mesh, in_specs=P(), out_specs=specs)(params)
+
+    def update(grads, state, params=None):
+        specs = state_specs(params if params is not None else grads, mesh)
+        return jax.shard_map(update_fn, mesh=mesh, in_specs=(P(), specs, P()),
+                             out_specs=(P(), specs))(grads, state, params)
+
+    return init, update
 
 
 class _Init:
@@ -255,6 +279,7 @@ def muon_adamw(
     *,
     dimension_numbers: Any = None,
     axis_name: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
     small_param_threshold: int = SMALL_PARAM_THRESHOLD,
 ) -> optax.GradientTransformation:
     """nanochat's MuonAdamW: AdamW and Muon parameter groups in one transformation.
@@ -276,6 +301,10 @@ def muon_adamw(
       axis_name: a mesh axis to shard over (ZeRO-2); then ``init`` and ``update`` run
         inside ``jax.shard_map`` and ``update`` takes each device's own, unreduced
         gradients. See :func:`muon_optax.state_specs`.
+      mesh: with ``axis_name``, for plain ``jax.jit`` train steps (no ``shard_map`` of
+        your own): ``init`` and ``update`` then wrap their own ``shard_map`` over
+        ``mesh``, take the already averaged gradients, and keep the state sharded over
+        ``axis_name``, each device orthogonalizing only the matrices it owns.
       small_param_threshold: under ``axis_name``, AdamW params with fewer elements are
         all-reduced and replicated instead of split.
 
@@ -286,7 +315,10 @@ def muon_adamw(
     configs = parse_groups(groups)
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be a mesh axis name (str), got {axis_name!r}.")
+    if mesh is not None and axis_name not in getattr(mesh, "shape", {}):
+        raise ValueError(f"mesh= needs axis_name= naming one of its axes "
+                         f"{tuple(getattr(mesh, 'shape', {}))}, got axis_name={axis_name!r}.")
     if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
         raise TypeError("small_param_threshold must be an int (elements).")
     return build(configs, param_labels, dimension_numbers=dimension_numbers,
-                 axis_name=axis_name, small_param_threshold=small_param_threshold)
+                 axis_name=axis_name, mesh=mesh, small_param_threshold=small_param_threshold)

@@ -35,19 +35,22 @@ except ImportError:
 class Collectives:
     """Mean-reduce, scatter and gather along ``axis_name`` (identity when it is None)."""
 
-    def __init__(self, axis_name: str | None):
+    def __init__(self, axis_name: str | None, grads_reduced: bool = False):
         self.axis_name = axis_name
         self.size = 1 if axis_name is None else jax.lax.axis_size(axis_name)
         # On a one-device axis the collectives still run: they turn the per-device
-        # ("varying") gradients into replicated values, and XLA compiles them away.
+        # ("varying") gradients into replicated values (single-participant ops).
         self.active = axis_name is not None
+        # Under plain jit the gradients arrive already averaged (XLA reduced them in
+        # the backward pass): then "reduce" means "take my share".
+        self.grads_reduced = grads_reduced
 
     def index(self) -> jax.Array | int:
         return 0 if self.size == 1 else jax.lax.axis_index(self.axis_name)
 
     def mean(self, x: jax.Array) -> jax.Array:
         """All-reduce (mean): the small params' gradients."""
-        if not self.active:
+        if not self.active or self.grads_reduced:
             return x
         return (jax.lax.psum(x, self.axis_name) / self.size).astype(x.dtype)
 
@@ -55,6 +58,8 @@ class Collectives:
         """Reduce-scatter (mean): this device's 1/N of ``x`` along ``axis``."""
         if not self.active:
             return x
+        if self.grads_reduced:
+            return self.local(x, axis)
         y = jax.lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
         return (y / self.size).astype(x.dtype)
 
