@@ -28,7 +28,7 @@ Scalar = float | Callable[[jax.Array], Any]
 
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 MUON_KEYS = ("lr", "momentum", "ns_steps", "beta2", "weight_decay")
-MUON_OPTIONS = ("row_equilibration", "renormalize", "compute_dtype")
+MUON_OPTIONS = ("row_equilibration", "renormalize", "compute_dtype", "polar_method")
 
 
 def value_at(x: Scalar, count: jax.Array) -> jax.Array:
@@ -84,11 +84,16 @@ class MuonConfig:
     row_equilibration: bool = True
     renormalize: bool = True
     compute_dtype: Any = None
+    polar_method: str = "direct"
 
     @classmethod
     def make(cls, lr, momentum, ns_steps, beta2, weight_decay, row_equilibration=True,
-             renormalize=True, compute_dtype=None, where="muon") -> MuonConfig:
+             renormalize=True, compute_dtype=None, polar_method="direct",
+             where="muon") -> MuonConfig:
         check_ns_steps(ns_steps, where)
+        if polar_method not in ("direct", "gram", "auto"):
+            raise ValueError(f"{where}: polar_method must be 'direct' (the rule as written), "
+                             f"'gram' or 'auto', got {polar_method!r}.")
         for flag, name in ((row_equilibration, "row_equilibration"),
                            (renormalize, "renormalize")):
             if not isinstance(flag, bool):
@@ -109,11 +114,12 @@ class MuonConfig:
             beta2=_check_scalar(beta2, "beta2", where),
             weight_decay=_check_scalar(weight_decay, "weight_decay", where),
             ns_steps=ns_steps, row_equilibration=row_equilibration,
-            renormalize=renormalize, compute_dtype=compute_dtype)
+            renormalize=renormalize, compute_dtype=compute_dtype, polar_method=polar_method)
 
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
-        return (self.ns_steps, self.row_equilibration, self.renormalize, self.compute_dtype)
+        return (self.ns_steps, self.row_equilibration, self.renormalize, self.compute_dtype,
+                self.polar_method)
 
 
 def _unknown(keys, allowed) -> str:

@@ -100,7 +100,7 @@ def muon_stack_update(
     x = u.astype(compute_dtype)
     if cfg.row_equilibration:
         x = _equilibrate(x, transposed)
-    o = orthogonalize(x, cfg.ns_steps, compute_dtype=compute_dtype)
+    o = orthogonalize(x, cfg.ns_steps, compute_dtype=compute_dtype, method=cfg.polar_method)
     o = o.astype(dtype).astype(f32)  # the rule rounds O to the parameter dtype here
     if cfg.renormalize:
         o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro_norm(o), 1e-6))
@@ -134,6 +134,7 @@ def muon(
     row_equilibration: bool = True,
     renormalize: bool = True,
     compute_dtype: Any = None,
+    polar_method: str = "direct",
     dimension_numbers: Any = None,
 ) -> optax.GradientTransformation:
     """Muon on every leaf (each must have two or more axes), as nanochat computes it.
@@ -154,6 +155,11 @@ def muon(
         ``sqrt(min(R, C))``.
       compute_dtype: dtype of the polar iteration; default float32 on CPU, bfloat16 on
         accelerators.
+      polar_method: ``"direct"`` runs the polar iteration as the rule writes it;
+        ``"gram"`` runs the same polynomial on the short side's Gram matrix, up to
+        1.8x fewer FLOPs for 4:1 matrices but less accurate for ill-conditioned ones
+        (errors ~1e-4 instead of ~1e-5 at condition number 1e4); ``"auto"`` uses
+        ``"gram"`` where it saves FLOPs.
       dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
         params -> tree); default: last two axes ``(in, out)``, leading axes batch.
 
@@ -163,6 +169,6 @@ def muon(
     from muon_optax.optimizer import build  # the shared engine; imported late (cycle)
 
     cfg = MuonConfig.make(lr, momentum, ns_steps, beta2, weight_decay, row_equilibration,
-                          renormalize, compute_dtype, where="muon")
+                          renormalize, compute_dtype, polar_method, where="muon")
     return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
                  dimension_numbers=dimension_numbers)

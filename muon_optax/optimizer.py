@@ -288,8 +288,9 @@ def muon_adamw(
       groups: group name -> a dict in nanochat's ``param_groups`` format without
         ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
         ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``; Muon groups
-        also take ``row_equilibration`` (default True), ``renormalize`` (default True)
-        and ``compute_dtype``. Every scalar may be an optax schedule of the step count.
+        also take ``row_equilibration`` (default True), ``renormalize`` (default True),
+        ``compute_dtype`` and ``polar_method`` (see :func:`muon_optax.muon`). Every
+        scalar may be an optax schedule of the step count.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
       dimension_numbers: which axes of a Muon leaf are input (``reduction_axis``) and

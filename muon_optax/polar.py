@@ -57,13 +57,63 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, precision=precision)
 
 
-def polar_express(x: jax.Array, ns_steps: int = 5) -> jax.Array:
+def polar_flops(rows: int, cols: int, ns_steps: int, method: str) -> int:
+    """Matmul FLOPs of :func:`polar_express` on one ``rows x cols`` matrix."""
+    r, c = min(rows, cols), max(rows, cols)
+    if method == "direct":  # per step: Gram, A @ A, B @ X
+        return ns_steps * (4 * r * r * c + 2 * r**3)
+    # gram: X X^T and the final Q X, plus per step A @ A, M @ Q (not the first) and
+    # M A M (not the last)
+    steps = ns_steps * 2 + (ns_steps - 1) * 2 + (ns_steps - 1) * 4
+    return 4 * r * r * c + steps * r**3
+
+
+def choose_method(rows: int, cols: int, ns_steps: int, method: str = "auto") -> str:
+    """``auto`` picks the iteration with fewer FLOPs for this shape."""
+    if method not in ("auto", "direct", "gram"):
+        raise ValueError(f"polar method must be 'auto', 'direct' or 'gram', got {method!r}.")
+    if method != "auto":
+        return method
+    gram = polar_flops(rows, cols, ns_steps, "gram")
+    return "gram" if gram < polar_flops(rows, cols, ns_steps, "direct") else "direct"
+
+
+def _polar_in_gram_space(x: jax.Array, ns_steps: int) -> jax.Array:
+    """The same iteration, carried out on the short side's ``r x r`` matrices.
+
+    Every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``A_0 = X_0 X_0^T``
+    (wide ``x``), so all of ``Q_k``, ``A_k = X_k X_k^T = Q_k^2 A_0`` and
+    ``M_k = a I + b A_k + c A_k^2`` commute, and ``X_{k+1} = M_k X_k`` gives
+    ``Q_{k+1} = M_k Q_k`` and ``A_{k+1} = M_k A_k M_k``. Only the first Gram matrix and
+    the final ``Q X_0`` touch the long side: for a 4:1 matrix about 1.8x fewer FLOPs.
+    """
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = jnp.swapaxes(x, -1, -2)
+    eye = jnp.eye(x.shape[-2], dtype=x.dtype)
+    gram = _matmul(x, jnp.swapaxes(x, -1, -2))
+    q = None
+    for k, (a, b, c) in enumerate(POLAR_EXPRESS_COEFFS[:ns_steps]):
+        m = a * eye + b * gram + c * _matmul(gram, gram)
+        q = m if q is None else _matmul(m, q)
+        if k + 1 < ns_steps:
+            gram = _matmul(m, _matmul(gram, m))
+    x = _matmul(q, x)
+    return jnp.swapaxes(x, -1, -2) if tall else x
+
+
+def polar_express(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> jax.Array:
     """Runs the first ``ns_steps`` Polar Express iterations on ``x`` (..., R, C) as is.
 
     ``x`` must already be scaled so that its spectral norm is at most one (see
-    :func:`orthogonalize`). The arithmetic stays in ``x.dtype``.
+    :func:`orthogonalize`). The arithmetic stays in ``x.dtype``. ``method``:
+    ``"direct"`` iterates on ``X`` as written in the rule; ``"gram"`` iterates on the
+    short side's Gram matrix (the same function, other rounding; fewer FLOPs for
+    rectangular matrices); ``"auto"`` picks the cheaper.
     """
     check_ns_steps(ns_steps, "polar_express")
+    if choose_method(x.shape[-2], x.shape[-1], ns_steps, method) == "gram":
+        return _polar_in_gram_space(x, ns_steps)
     tall = x.shape[-2] > x.shape[-1]
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
         if tall:  # Gram on the short (column) side: X (b A + c A^2), A = X^T X
@@ -80,17 +130,18 @@ def orthogonalize(
     ns_steps: int = 5,
     *,
     compute_dtype: jnp.dtype | str | None = None,
+    method: str = "direct",
 ) -> jax.Array:
     """Approximate polar factor of each matrix in ``x`` (..., R, C).
 
     Scales each matrix into the iteration's basin, ``X / (1.01 ||X||_F + 1e-6)``, then
     runs ``ns_steps`` Polar Express iterations in ``compute_dtype`` (default: float32 on
     CPU, bfloat16 on GPU/TPU). Returns the result in ``compute_dtype``. A zero matrix
-    stays zero.
+    stays zero. ``method`` as in :func:`polar_express`.
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs (..., R, C) matrices, got shape {x.shape}.")
     dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else default_compute_dtype()
     x = x.astype(dtype)
     x = x / (1.01 * fro_norm(x) + 1e-6).astype(dtype)
-    return polar_express(x, ns_steps)
+    return polar_express(x, ns_steps, method)
