@@ -185,7 +185,9 @@ class ByteDataset:
     def num_val_batches(self) -> int:
         return len(self.val) // (self.batch_size * (self.seq_len + 1))
 
-    def val_batches(self, max_batches: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def val_batches(
+        self, max_batches: int | None = None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Fixed validation batches: consecutive non-overlapping windows of the held-out tail."""
         n = self.num_val_batches()
         if max_batches is not None:
