@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from muon_optax.polar import check_ns_steps
 
@@ -39,15 +41,13 @@ def value_at(x: Scalar, count: jax.Array) -> jax.Array:
 def _check_scalar(value: Any, name: str, where: str) -> Scalar:
     if callable(value):
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:  # a 0-d array is fine; anything else is a mistake worth naming
-            if jnp.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.floating):
-                return value
-        except TypeError:
-            pass
-        raise TypeError(f"{where}: {name} must be a float or an optax schedule "
-                        f"(a callable of the step count), got {value!r}.")
-    return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return float(value)
+    if (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
+            and jnp.issubdtype(value.dtype, jnp.floating)):
+        return value
+    raise TypeError(f"{where}: {name} must be a float or an optax schedule "
+                    f"(a callable of the step count), got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

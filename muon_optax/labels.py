@@ -16,7 +16,15 @@ import jax
 
 
 def path_str(path: Sequence[Any]) -> str:
-    """``/``-joined readable form of a pytree key path: ``blocks/0/attn/kernel``."""
+    """``/``-joined readable form of a pytree key path: ``blocks/0/attn/kernel``.
+
+    A trailing ``.value`` (the box of a Flax NNX ``Variable``, present in
+    ``nnx.state`` trees but not in their pure form) is not part of the name, so
+    ``init`` and ``update`` see the same path for the same parameter.
+    """
+    path = list(path)
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
     parts = []
     for k in path:
         for attr in ("key", "idx", "name"):

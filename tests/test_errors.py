@@ -1,0 +1,255 @@
+"""Bad configurations fail early, with a message that names the culprit and the fix."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import muon_optax
+from muon_optax import MuonDimensionNumbers
+
+try:
+    from .test_optimizer import adamw_group, muon_group
+except ImportError:  # plain `pytest` rootdir imports
+    from test_optimizer import adamw_group, muon_group
+
+GROUPS = {"m": muon_group(), "a": adamw_group()}
+
+
+def zeros(shapes):
+    return {k: jnp.zeros(s) for k, s in shapes.items()}
+
+
+def build(groups=None, labels=None, **kw):
+    groups = GROUPS if groups is None else groups
+    labels = muon_optax.label_by_path(matrix="m", other="a") if labels is None else labels
+    return muon_optax.muon_adamw(groups, labels, **kw)
+
+
+def init_both_ways(tx, params):
+    """Runs ``tx.init`` eagerly and under jit; both must raise the same Python error."""
+    return [lambda: tx.init(params), lambda: jax.jit(tx.init)(params)]
+
+
+# ----------------------------------------------------------------------------- leaves and labels
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("shape", [(), (7,)])
+def test_muon_group_given_scalar_or_vector_names_the_path(shape, jit):
+    params = {"blocks": {"0": {"norm": {"scale": jnp.ones(shape)}, "w": jnp.ones((4, 8))}}}
+    tx = build(labels=lambda p: jax.tree.map(lambda _: "m", p))
+    init = jax.jit(tx.init) if jit else tx.init
+    with pytest.raises(ValueError, match=r"'blocks/0/norm/scale' has shape .*Muon group 'm'"
+                                         r".*AdamW group"):
+        init(params)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_label_naming_no_group(jit):
+    params = zeros({"w": (4, 8), "b": (8,)})
+    tx = build(labels={"w": "m", "b": "adam"})
+    init = jax.jit(tx.init) if jit else tx.init
+    with pytest.raises(ValueError, match=r"'b' has label 'adam', which names no group; "
+                                         r"groups are 'm', 'a'"):
+        init(params)
+
+
+def test_labels_with_wrong_structure():
+    params = zeros({"w": (4, 8), "b": (8,)})
+    with pytest.raises(ValueError, match="param_labels must have the params' structure"):
+        build(labels={"w": "m"}).init(params)
+
+
+# ----------------------------------------------------------------------------- group dicts
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match=r"group 'm': unknown kind 'sgd'; use kind='adamw' "
+                                         r"or kind='muon'"):
+        build({"m": muon_group(kind="sgd")})
+
+
+def test_missing_kind():
+    group = {k: v for k, v in muon_group().items() if k != "kind"}
+    with pytest.raises(ValueError, match="group 'm': unknown kind None"):
+        build({"m": group})
+
+
+@pytest.mark.parametrize("kind,key", [("muon", "beta2"), ("muon", "ns_steps"),
+                                      ("adamw", "eps"), ("adamw", "betas")])
+def test_missing_hyperparameter(kind, key):
+    group = {k: v for k, v in (muon_group() if kind == "muon" else adamw_group()).items()
+             if k != key}
+    with pytest.raises(ValueError, match=rf"group 'g': missing hyperparameter {key} for "
+                                         rf"kind='{kind}'; a {kind} group needs"):
+        build({"g": group}, labels=lambda p: jax.tree.map(lambda _: "g", p))
+
+
+def test_unknown_hyperparameter_lists_allowed_keys():
+    with pytest.raises(ValueError, match=r"group 'a': unknown hyperparameter 'wd' .*"
+                                         r"allowed keys are .*weight_decay"):
+        build({"m": muon_group(), "a": adamw_group(wd=0.1)})
+
+
+def test_misspelled_hyperparameter_gets_a_suggestion():
+    with pytest.raises(ValueError, match=r"'momentun' \(did you mean 'momentum'\?\)"):
+        build({"m": muon_group(momentun=0.9), "a": adamw_group()})
+
+
+def test_adamw_key_in_muon_group():
+    with pytest.raises(ValueError, match=r"unknown hyperparameter 'betas'.*kind='muon'"):
+        build({"m": muon_group(betas=(0.9, 0.95)), "a": adamw_group()})
+
+
+def test_group_holding_params():
+    with pytest.raises(ValueError, match=r"group 'm': a group holds no 'params' here; .*"
+                                         r"param_labels"):
+        build({"m": muon_group(params=[jnp.ones((4, 4))]), "a": adamw_group()})
+
+
+@pytest.mark.parametrize("ns_steps,exc,msg", [
+    (0, ValueError, r"ns_steps=0 is outside 1\.\.5"),
+    (6, ValueError, r"ns_steps=6 is outside 1\.\.5"),
+    (2.5, TypeError, r"ns_steps must be a Python int in 1\.\.5, got 2\.5"),
+    (True, TypeError, r"ns_steps must be a Python int"),
+])
+def test_bad_ns_steps(ns_steps, exc, msg):
+    with pytest.raises(exc, match=rf"group 'm': {msg}"):
+        build({"m": muon_group(ns_steps=ns_steps), "a": adamw_group()})
+    with pytest.raises(exc, match=rf"muon: {msg}"):
+        muon_optax.muon(0.02, ns_steps=ns_steps)
+    with pytest.raises(exc, match=msg):
+        muon_optax.orthogonalize(jnp.ones((4, 4)), ns_steps)
+
+
+@pytest.mark.parametrize("value", ["abc", [0.1], jnp.array([0.1, 0.2])])
+def test_bad_scalar(value):
+    with pytest.raises(TypeError, match=r"group 'a': lr must be a float or an optax schedule"):
+        build({"m": muon_group(), "a": adamw_group(lr=value)})
+
+
+@pytest.mark.parametrize("value", ["1e-3", "float32", None])
+def test_bad_scalar_string_or_none(value):
+    with pytest.raises(TypeError, match=r"group 'a': lr must be a float or an optax schedule"):
+        build({"m": muon_group(), "a": adamw_group(lr=value)})
+
+
+def test_bad_betas():
+    with pytest.raises(TypeError, match=r"group 'a': betas must be a pair \(b1, b2\)"):
+        build({"m": muon_group(), "a": adamw_group(betas=0.9)})
+
+
+def test_empty_groups():
+    with pytest.raises(TypeError, match="groups must be a non-empty dict"):
+        build({})
+
+
+# ----------------------------------------------------------------------------- update
+
+PARAMS = zeros({"w": (4, 8), "b": (8,)})
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_update_without_params(jit):
+    tx = build()
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(ValueError, match=r"update needs the params .*"
+                                         r"tx\.update\(grads, state, params\)"):
+        update(PARAMS, state)
+
+
+def test_update_without_params_is_fine_without_weight_decay():
+    tx = muon_optax.adamw(0.01)
+    updates, _ = tx.update(PARAMS, tx.init(PARAMS))
+    assert jax.tree.structure(updates) == jax.tree.structure(PARAMS)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_grads_with_other_structure(jit):
+    tx = build()
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update) if jit else tx.update
+    grads = {"w": PARAMS["w"], "c": PARAMS["b"]}
+    with pytest.raises(ValueError, match=r"grads and params differ in structure"):
+        update(grads, state, PARAMS)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_grad_with_other_shape_names_the_path(jit):
+    tx = build()
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update) if jit else tx.update
+    grads = {"w": jnp.zeros((8, 4)), "b": PARAMS["b"]}
+    with pytest.raises(ValueError, match=r"gradient of 'w' has shape \(8, 4\) but the "
+                                         r"parameter has shape \(4, 8\)"):
+        update(grads, state, PARAMS)
+
+
+def test_state_for_other_params():
+    tx = build()
+    state = tx.init(PARAMS)
+    other = {"w": jnp.zeros((4, 8)), "b": jnp.zeros((8, 8))}  # b becomes a second stack
+    with pytest.raises(ValueError, match=r"state was made for other params.*call tx\.init"):
+        tx.update(other, state, other)
+
+
+# ----------------------------------------------------------------------------- layouts, sharding
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dims", [MuonDimensionNumbers(reduction_axis=0, output_axis=2),
+                                  MuonDimensionNumbers(reduction_axis=-3, output_axis=1)])
+def test_dimension_numbers_out_of_range_names_the_path(dims, jit):
+    tx = build(dimension_numbers={"w": dims, "b": None})
+    init = jax.jit(tx.init) if jit else tx.init
+    with pytest.raises(ValueError, match=r"parameter 'w' has 2 axes; .*out of range\. "
+                                         r"Fix its MuonDimensionNumbers"):
+        init(PARAMS)
+
+
+def test_dimension_numbers_overlapping_axes():
+    dims = MuonDimensionNumbers(reduction_axis=0, output_axis=0)
+    with pytest.raises(ValueError, match=r"parameter 'w': reduction_axis .* must be distinct"):
+        build(dimension_numbers=dims).init(PARAMS)
+
+
+def test_dimension_numbers_with_wrong_structure():
+    with pytest.raises(ValueError, match="dimension_numbers must be one MuonDimensionNumbers"):
+        build(dimension_numbers={"w": None}).init(PARAMS)
+
+
+def test_state_specs_on_a_chain():
+    mesh = Mesh(jax.devices()[:1], ("data",))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), build(axis_name="data"))
+    with pytest.raises(TypeError, match=r"not a chain or a wrapper.*give the wrapper's own "
+                                        r"state P\(\)"):
+        muon_optax.state_specs(tx, PARAMS, mesh)
+
+
+def test_state_specs_without_axis_name():
+    mesh = Mesh(jax.devices()[:1], ("data",))
+    with pytest.raises(ValueError, match=r"built without axis_name; pass axis_name='data'"):
+        muon_optax.state_specs(build(), PARAMS, mesh)
+
+
+def test_state_specs_with_other_axis_name():
+    mesh = Mesh(jax.devices()[:1], ("data",))
+    with pytest.raises(ValueError, match=r"mesh has axes \('data',\), not 'model'"):
+        muon_optax.state_specs(build(axis_name="model"), PARAMS, mesh)
+
+
+def test_orthogonalize_needs_a_matrix():
+    with pytest.raises(ValueError, match=r"needs \(\.\.\., R, C\) matrices, got shape \(5,\)"):
+        muon_optax.orthogonalize(jnp.ones(5))
+
+
+def test_label_by_path_bad_rules():
+    with pytest.raises(TypeError, match=r"each rule is a \(regex, group\) pair"):
+        muon_optax.label_by_path(["wte"])
+    with pytest.raises(ValueError, match=r"bad regex '\('"):
+        muon_optax.label_by_path([("(", "embed")])
+
+
+def test_non_array_leaf_names_the_path():
+    with pytest.raises(TypeError, match=r"parameter 'n' is a str, not an array"):
+        build().init({"w": jnp.zeros((4, 8)), "n": "hello"})
