@@ -69,28 +69,25 @@ def _equilibrate(x: jax.Array, transposed: bool | jax.Array) -> jax.Array:
     return x * factor.astype(x.dtype)
 
 
-def muon_stack_update(
+def muon_direction(
     g: jax.Array,
-    p: jax.Array,
     state: MuonStackState,
     *,
-    lr: jax.Array,
     momentum: jax.Array,
     beta2: jax.Array,
-    weight_decay: jax.Array,
     transposed: bool | jax.Array,
     cfg: MuonConfig,
 ) -> tuple[jax.Array, MuonStackState]:
-    """One Muon step on a stored stack; returns ``(P_new - P, new state)``.
+    """Steps 1-7 of Muon on a stored stack: the direction ``O`` and the new state.
 
-    ``g`` and ``p`` are ``(K, R, C)`` with ``R <= C``. The hyperparameters are scalars or
-    per-matrix ``(K, 1, 1)`` arrays; ``lr`` already includes the aspect-ratio factor.
-    ``transposed`` says whether a matrix's own rows are the stored columns (a bool for
-    the whole stack, or a ``(K,)`` array). Zero padding stays exactly zero.
+    ``g`` is ``(K, R, C)`` with ``R <= C``, in the parameter dtype, which ``O`` and the
+    state keep. ``momentum`` and ``beta2`` are scalars or per-matrix ``(K, 1, 1)``
+    arrays. ``transposed`` says whether a matrix's own rows are the stored columns (a
+    bool for the whole stack, or a ``(K,)`` array). Zero padding stays exactly zero.
     """
     f32 = jnp.float32
     rows, cols = g.shape[-2:]
-    dtype = p.dtype
+    dtype = state.momentum.dtype
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
 
     g32, buf32 = g.astype(f32), state.momentum.astype(f32)
@@ -116,12 +113,20 @@ def muon_stack_update(
     step = jax.lax.rsqrt(jnp.maximum(s.astype(f32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v * n * step * step, axis=(-2, -1), keepdims=True))
     o = o * (step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
+    return o.astype(dtype), MuonStackState(buf32.astype(dtype), s)
 
-    # Cautious weight decay: decay only where the update and the weight agree in sign.
-    p32 = p.astype(f32)
-    mask = (o * p32) >= 0
-    update = -lr * o - (lr * weight_decay) * jnp.where(mask, p32, 0.0)
-    return update.astype(dtype), MuonStackState(buf32.astype(dtype), s)
+
+def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
+                    weight_decay: jax.Array) -> jax.Array:
+    """Step 9: ``P_new - P = -lr O - lr wd P [O P >= 0]``, in the parameter's dtype.
+
+    Weight decay acts only where the update and the weight agree in sign. ``lr``
+    includes the aspect-ratio factor. Elementwise, so it runs on each leaf in its own
+    layout, after the stacked directions are split back.
+    """
+    o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
+    update = -lr * o32 - (lr * weight_decay) * jnp.where(o32 * p32 >= 0, p32, 0.0)
+    return update.astype(p.dtype)
 
 
 def muon(

@@ -29,7 +29,13 @@ from muon_optax.adamw import adamw_hparams, adamw_leaf_update
 from muon_optax.hparams import AdamWConfig, MuonConfig, parse_groups
 from muon_optax.labels import flat_labels, path_str
 from muon_optax.layout import Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
-from muon_optax.muon import MuonStackState, init_stack_state, muon_hparams, muon_stack_update
+from muon_optax.muon import (
+    MuonStackState,
+    cautious_update,
+    init_stack_state,
+    muon_direction,
+    muon_hparams,
+)
 from muon_optax.sharding import Collectives, adamw_shard_axis, pad_to, padded_shape, spec
 
 SMALL_PARAM_THRESHOLD = 1024
@@ -96,25 +102,16 @@ def _local_shape(shape: tuple[int, ...], axis: int | None, n: int) -> tuple[int,
 
 
 def _slot_hparams(stack: Stack, hps: dict[str, dict[str, jax.Array]], comm: Collectives):
-    """Per-matrix hyperparameters of this device's slots: scalars when uniform."""
+    """This device's per-matrix momentum, beta2 and orientation: scalars when uniform."""
     groups = stack.slot_values(lambda m: m.group)
-    scales = stack.slot_values(lambda m: m.lr_scale)
     names = sorted(set(groups.tolist()))
-
-    def per_slot(values: np.ndarray | jax.Array) -> jax.Array:
-        return comm.local(values)[:, None, None]
-
     out = {}
-    for k in ("momentum", "beta2", "weight_decay", "lr"):
+    for k in ("momentum", "beta2"):
         if len(names) == 1:
             out[k] = hps[names[0]][k]
-        else:
+        else:  # a stack shared by groups: gather each slot's group value
             table = jnp.stack([hps[g][k] for g in names])
-            out[k] = per_slot(table[np.searchsorted(names, groups)])
-    if np.all(scales == scales[0]):
-        out["lr"] = out["lr"] * float(scales[0])
-    else:
-        out["lr"] = out["lr"] * per_slot(scales.astype(np.float32))
+            out[k] = comm.local(table[np.searchsorted(names, groups)])[:, None, None]
     flags = stack.slot_values(lambda m: m.transposed)
     out["transposed"] = bool(flags[0]) if np.all(flags == flags[0]) else comm.local(flags)
     return out
@@ -197,17 +194,25 @@ def build(
             updates[a.index] = u
 
         # Muon: per stack, reduce-scatter the stacked gradients so each device holds the
-        # mean gradient of the matrices it owns, update them, all-gather the updates.
+        # mean gradient of the matrices it owns, compute their directions, all-gather the
+        # directions; the cautious update is elementwise, so it runs per leaf in the
+        # leaf's own layout and no stacked copy of the params is ever made.
         # Stacks are independent, so XLA may overlap one's collectives with another's math.
-        new_muon = []
+        new_muon, previous = [], None
         for stack, st in zip(plan.stacks, state.muon):
             g = comm.mean_scatter(stack.stack([g_leaves[m.index] for m in stack.members]), 0)
-            p = comm.local(stack.stack([p_leaves[m.index] for m in stack.members]), 0)
-            hp = _slot_hparams(stack, hps, comm)
-            u, st = muon_stack_update(g, p, st, cfg=stack.config, **hp)
+            if previous is not None:
+                # One stack at a time: without this XLA may interleave the stacks and keep
+                # all their (K, R, C) temporaries alive at once. The collectives above are
+                # not held back, only the math.
+                g, _ = jax.lax.optimization_barrier((g, previous))
+            o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
             new_muon.append(st)
-            for m, u_leaf in zip(stack.members, stack.unstack(comm.gather(u, 0))):
-                updates[m.index] = u_leaf
+            previous = o
+            for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):
+                hp = hps[m.group]
+                updates[m.index] = cautious_update(o_leaf, p_leaves[m.index],
+                                                   hp["lr"] * m.lr_scale, hp["weight_decay"])
 
         new_state = MuonAdamWState(
             optax.safe_int32_increment(count), plan.treedef.unflatten(mu),
