@@ -37,7 +37,13 @@ class Collectives:
 
     def __init__(self, axis_name: str | None, grads_reduced: bool = False):
         self.axis_name = axis_name
-        self.size = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+        try:
+            self.size = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+        except NameError as e:
+            raise ValueError(
+                f"this transformation shards over the mesh axis {axis_name!r}: call its init "
+                f"and update inside jax.shard_map over a mesh with that axis, or build it "
+                f"with mesh=... (plain jit) or without axis_name (one device).") from e
         # On a one-device axis the collectives still run: they turn the per-device
         # ("varying") gradients into replicated values (single-participant ops).
         self.active = axis_name is not None
