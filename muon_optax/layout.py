@@ -14,9 +14,11 @@ are batch axes.
 Stacks. A tall matrix (``R > C``) is stored transposed, as its ``(C, R)`` wide
 transpose: the polar iteration commutes with transposition, and the steps that do not
 (row equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix flag.
-So every matrix is stored wide or square, and all matrices with the same stored shape,
-dtype and static options form one stack ``(K, R, C)`` updated by one batched program,
-across groups and orientations: an MLP's ``c_fc`` and ``c_proj`` share a stack.
+A square matrix is stored the way its leaf lays it out, so a Flax ``(in, out)`` kernel
+is stored transposed and needs no copy. So every matrix is stored wide or square, and
+all matrices with the same stored shape, dtype and static options form one stack
+``(K, R, C)`` updated by one batched program, across groups and orientations: an MLP's
+``c_fc`` and ``c_proj`` share a stack.
 """
 
 from __future__ import annotations
@@ -58,11 +60,12 @@ class MatrixLeaf:
     batch: int
     rows: int
     cols: int
+    inputs_first: bool          # the leaf's input axes precede its output axes
 
     @property
     def transposed(self) -> bool:
-        """Stored as the wide transpose ``(cols, rows)``."""
-        return self.rows > self.cols
+        """Stored as the transpose ``(cols, rows)``: tall, or square laid out (in, out)."""
+        return self.rows > self.cols or (self.rows == self.cols and self.inputs_first)
 
     @property
     def stored_shape(self) -> tuple[int, int]:
@@ -111,7 +114,7 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
     size = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
     return MatrixLeaf(index=index, path=path, shape=shape, dtype=jnp.dtype(leaf.dtype),
                       group=group, perm=batch_axes + out + red, batch=size(batch_axes),
-                      rows=size(out), cols=size(red))
+                      rows=size(out), cols=size(red), inputs_first=min(red) < min(out))
 
 
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
@@ -153,6 +156,11 @@ class Stack:
     def shape(self) -> tuple[int, int, int]:
         return (self.padded, self.rows, self.cols)
 
+    @property
+    def reduces_rows(self) -> bool:
+        """NorMuon's averaging axis is the stored rows (see ``muon.normuon_axis``)."""
+        return self.rows < self.cols or self.members[0].transposed
+
     def slot_values(self, fn) -> np.ndarray:
         """``fn(member)`` for every slot, padding slots repeating the first member."""
         vals = [fn(m) for m in self.members for _ in range(m.batch)]
@@ -180,7 +188,10 @@ def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],
     """Groups Muon matrices into stacks, in first-seen order, each padded for the mesh."""
     buckets: dict[tuple, list[MatrixLeaf]] = {}
     for leaf in leaves:
-        key = leaf.stored_shape + (str(leaf.dtype), configs[leaf.group].static_key())
+        # Squares of both layouts do not share a stack: NorMuon's axis depends on it.
+        square_layout = leaf.transposed if leaf.rows == leaf.cols else None
+        key = leaf.stored_shape + (str(leaf.dtype), square_layout,
+                                   configs[leaf.group].static_key())
         buckets.setdefault(key, []).append(leaf)
     stacks = []
     for members in buckets.values():

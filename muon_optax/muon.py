@@ -33,17 +33,24 @@ class MuonStackState(NamedTuple):
     """Muon state of one stack, in the stored ``(K, R, C)`` layout (parameter dtype)."""
 
     momentum: jax.Array          # (K, R, C)
-    second_moment: jax.Array     # NorMuon's factored buffer: (K, 1, C) wide, (K, R, 1) square
+    second_moment: jax.Array     # NorMuon: (K, 1, C) if it averages stored rows, else (K, R, 1)
 
 
-def second_moment_shape(k: int, rows: int, cols: int) -> tuple[int, int, int]:
-    """The factored axis is the long one's complement: columns are averaged if R >= C."""
-    return (k, rows, 1) if rows >= cols else (k, 1, cols)
+def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
+    """The stored axis NorMuon averages over.
+
+    The rule averages a matrix's own columns if ``R >= C``, else its rows. Stored
+    wide, that is the stored rows in both orientations (a wide matrix's rows; a tall
+    one's columns, stored transposed); a square averages its columns, which are the
+    stored rows when it is stored transposed. Square stacks never mix layouts.
+    """
+    return -2 if rows < cols or transposed is True else -1
 
 
-def init_stack_state(k: int, rows: int, cols: int, dtype: Any) -> MuonStackState:
-    return MuonStackState(jnp.zeros((k, rows, cols), dtype),
-                          jnp.zeros(second_moment_shape(k, rows, cols), dtype))
+def init_stack_state(k: int, rows: int, cols: int, dtype: Any,
+                     reduces_rows: bool) -> MuonStackState:
+    second = (k, 1, cols) if reduces_rows else (k, rows, 1)
+    return MuonStackState(jnp.zeros((k, rows, cols), dtype), jnp.zeros(second, dtype))
 
 
 def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
@@ -104,7 +111,7 @@ def muon_direction(
 
     # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
     # the matrix's overall norm is kept.
-    red = -1 if rows >= cols else -2
+    red = normuon_axis(rows, cols, transposed)
     n = o.shape[red]
     v = jnp.mean(o * o, axis=red, keepdims=True)
     v_norm = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)

@@ -141,8 +141,8 @@ def build(
             moments[a.index] = jnp.zeros(_local_shape(a.padded, a.axis, comm.size),
                                          leaves[a.index].dtype)
         tree = plan.treedef.unflatten(moments)
-        muon = tuple(init_stack_state(s.padded // comm.size, s.rows, s.cols, s.dtype)
-                     for s in plan.stacks)
+        muon = tuple(init_stack_state(s.padded // comm.size, s.rows, s.cols, s.dtype,
+                                      s.reduces_rows) for s in plan.stacks)
         return MuonAdamWState(jnp.zeros([], jnp.int32), tree, jax.tree.map(jnp.copy, tree),
                               muon)
 

@@ -115,13 +115,16 @@ def polar_express(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> ja
     if choose_method(x.shape[-2], x.shape[-1], ns_steps, method) == "gram":
         return _polar_in_gram_space(x, ns_steps)
     tall = x.shape[-2] > x.shape[-1]
+    # a X + (b A + c A^2) X is computed as (a I + b A + c A^2) X: the a-term goes on the
+    # small Gram side, saving a pass over the long side per step.
+    eye = jnp.eye(min(x.shape[-2:]), dtype=x.dtype)
     for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
-        if tall:  # Gram on the short (column) side: X (b A + c A^2), A = X^T X
+        if tall:  # Gram on the short (column) side: A = X^T X, X (a I + b A + c A^2)
             gram = _matmul(jnp.swapaxes(x, -1, -2), x)
-            x = a * x + _matmul(x, b * gram + c * _matmul(gram, gram))
-        else:  # wide or square: (b A + c A^2) X, A = X X^T
+            x = _matmul(x, a * eye + b * gram + c * _matmul(gram, gram))
+        else:  # wide or square: A = X X^T, (a I + b A + c A^2) X
             gram = _matmul(x, jnp.swapaxes(x, -1, -2))
-            x = a * x + _matmul(b * gram + c * _matmul(gram, gram), x)
+            x = _matmul(a * eye + b * gram + c * _matmul(gram, gram), x)
     return x
 
 

@@ -91,14 +91,14 @@ def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -
     """The axis along which a large AdamW parameter is split, or None (replicated).
 
     Parameters under ``threshold`` elements are all-reduced and updated everywhere.
-    Otherwise prefer the longest axis that N divides; failing that, the longest axis,
-    zero-padded up to a multiple of N.
+    Otherwise the axis that needs the least zero padding to a multiple of N, the leading
+    one among equals: a split of the leading axis is a contiguous slice, where a minor
+    axis would make XLA transpose the whole gradient first.
     """
     if math.prod(shape) < threshold or not shape:
         return None
-    by_length = sorted(range(len(shape)), key=lambda a: -shape[a])
-    dividing = [a for a in by_length if shape[a] % num_devices == 0]
-    return dividing[0] if dividing else by_length[0]
+    padding = [-(-n // num_devices) * num_devices - n for n in shape]
+    return min(range(len(shape)), key=lambda a: (padding[a] * math.prod(shape) // shape[a], a))
 
 
 def padded_shape(shape: tuple[int, ...], axis: int | None, num_devices: int) -> tuple[int, ...]:
