@@ -84,11 +84,11 @@ class MuonConfig:
     row_equilibration: bool = True
     renormalize: bool = True
     compute_dtype: Any = None
-    polar_method: str = "direct"
+    polar_method: str = "auto"
 
     @classmethod
     def make(cls, lr, momentum, ns_steps, beta2, weight_decay, row_equilibration=True,
-             renormalize=True, compute_dtype=None, polar_method="direct",
+             renormalize=True, compute_dtype=None, polar_method="auto",
              where="muon") -> MuonConfig:
         check_ns_steps(ns_steps, where)
         if polar_method not in ("direct", "gram", "auto"):

@@ -15,6 +15,8 @@ one XLA program, which is what nanochat gets from torch.compile'd kernels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -57,35 +59,63 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, precision=precision)
 
 
+# The Gram-space form first runs this many steps directly: they lift the small singular
+# values (by about a_1 * a_2 = 33x) so that the Gram matrix formed afterwards still
+# resolves them in float32. Starting in Gram space at once loses them (errors ~1e-3 at
+# condition number 1e4; ~2e-5 this way, as direct float32).
+GRAM_DIRECT_STEPS = 2
+
+
 def polar_flops(rows: int, cols: int, ns_steps: int, method: str) -> int:
     """Matmul FLOPs of :func:`polar_express` on one ``rows x cols`` matrix."""
     r, c = min(rows, cols), max(rows, cols)
-    if method == "direct":  # per step: Gram, A @ A, B @ X
-        return ns_steps * (4 * r * r * c + 2 * r**3)
-    # gram: X X^T and the final Q X, plus per step A @ A, M @ Q (not the first) and
-    # M A M (not the last)
-    steps = ns_steps * 2 + (ns_steps - 1) * 2 + (ns_steps - 1) * 4
-    return 4 * r * r * c + steps * r**3
+    direct_step = 4 * r * r * c + 2 * r**3              # Gram, A @ A, B @ X
+    if method == "direct" or ns_steps <= GRAM_DIRECT_STEPS + 1:
+        return ns_steps * direct_step
+    k = ns_steps - GRAM_DIRECT_STEPS
+    # Gram-space steps: A @ A each, M @ Q but the first, M A M but the last; plus one
+    # Gram matrix and the final Q X on the long side.
+    return GRAM_DIRECT_STEPS * direct_step + 4 * r * r * c + (2 * k + 6 * (k - 1)) * r**3
 
 
-def choose_method(rows: int, cols: int, ns_steps: int, method: str = "auto") -> str:
-    """``auto`` picks the iteration with fewer FLOPs for this shape."""
+def choose_method(rows: int, cols: int, ns_steps: int, method: str = "direct",
+                  dtype: Any = jnp.float32) -> str:
+    """``auto``: Gram space where it saves FLOPs and the arithmetic is float32."""
     if method not in ("auto", "direct", "gram"):
         raise ValueError(f"polar method must be 'auto', 'direct' or 'gram', got {method!r}.")
     if method != "auto":
         return method
-    gram = polar_flops(rows, cols, ns_steps, "gram")
-    return "gram" if gram < polar_flops(rows, cols, ns_steps, "direct") else "direct"
+    cheaper = polar_flops(rows, cols, ns_steps, "gram") < polar_flops(rows, cols, ns_steps,
+                                                                       "direct")
+    return "gram" if cheaper and jnp.dtype(dtype) == jnp.float32 else "direct"
 
 
-def _polar_in_gram_space(x: jax.Array, ns_steps: int) -> jax.Array:
-    """The same iteration, carried out on the short side's ``r x r`` matrices.
+def _direct_steps(x: jax.Array, coeffs) -> jax.Array:
+    """Polar Express steps as the rule writes them, on the short side's Gram matrix.
 
-    Every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``A_0 = X_0 X_0^T``
-    (wide ``x``), so all of ``Q_k``, ``A_k = X_k X_k^T = Q_k^2 A_0`` and
-    ``M_k = a I + b A_k + c A_k^2`` commute, and ``X_{k+1} = M_k X_k`` gives
-    ``Q_{k+1} = M_k Q_k`` and ``A_{k+1} = M_k A_k M_k``. Only the first Gram matrix and
-    the final ``Q X_0`` touch the long side: for a 4:1 matrix about 1.8x fewer FLOPs.
+    ``a X + (b A + c A^2) X`` is computed as ``(a I + b A + c A^2) X``: the a-term goes
+    on the small side, saving a pass over the long side per step.
+    """
+    tall = x.shape[-2] > x.shape[-1]
+    eye = jnp.eye(min(x.shape[-2:]), dtype=x.dtype)
+    for a, b, c in coeffs:
+        if tall:  # A = X^T X; X (a I + b A + c A^2)
+            gram = _matmul(jnp.swapaxes(x, -1, -2), x)
+            x = _matmul(x, a * eye + b * gram + c * _matmul(gram, gram))
+        else:  # wide or square: A = X X^T; (a I + b A + c A^2) X
+            gram = _matmul(x, jnp.swapaxes(x, -1, -2))
+            x = _matmul(a * eye + b * gram + c * _matmul(gram, gram), x)
+    return x
+
+
+def _gram_space_steps(x: jax.Array, coeffs) -> jax.Array:
+    """The same steps carried out on the short side's ``r x r`` matrices.
+
+    From ``X_0 = x`` (wide) every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial
+    in ``A_0 = X_0 X_0^T``, so ``Q_k``, ``A_k = X_k X_k^T`` and
+    ``M_k = a I + b A_k + c A_k^2`` all commute: ``X_{k+1} = M_k X_k`` gives
+    ``Q_{k+1} = M_k Q_k`` and ``A_{k+1} = M_k A_k M_k``. Only ``A_0`` and the final
+    ``Q X_0`` touch the long side.
     """
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -93,10 +123,10 @@ def _polar_in_gram_space(x: jax.Array, ns_steps: int) -> jax.Array:
     eye = jnp.eye(x.shape[-2], dtype=x.dtype)
     gram = _matmul(x, jnp.swapaxes(x, -1, -2))
     q = None
-    for k, (a, b, c) in enumerate(POLAR_EXPRESS_COEFFS[:ns_steps]):
+    for k, (a, b, c) in enumerate(coeffs):
         m = a * eye + b * gram + c * _matmul(gram, gram)
         q = m if q is None else _matmul(m, q)
-        if k + 1 < ns_steps:
+        if k + 1 < len(coeffs):
             gram = _matmul(m, _matmul(gram, m))
     x = _matmul(q, x)
     return jnp.swapaxes(x, -1, -2) if tall else x
@@ -107,25 +137,20 @@ def polar_express(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> ja
 
     ``x`` must already be scaled so that its spectral norm is at most one (see
     :func:`orthogonalize`). The arithmetic stays in ``x.dtype``. ``method``:
-    ``"direct"`` iterates on ``X`` as written in the rule; ``"gram"`` iterates on the
-    short side's Gram matrix (the same function, other rounding; fewer FLOPs for
-    rectangular matrices); ``"auto"`` picks the cheaper.
+
+    - ``"direct"``: every step on ``X``, as the rule writes it;
+    - ``"gram"``: two direct steps, then the rest on the short side's Gram matrix: the
+      same polynomial, other rounding, fewer FLOPs for rectangular matrices (1.3x for
+      a 4:1 matrix and 5 steps);
+    - ``"auto"``: ``"gram"`` where it saves FLOPs and ``x`` is float32.
     """
     check_ns_steps(ns_steps, "polar_express")
-    if choose_method(x.shape[-2], x.shape[-1], ns_steps, method) == "gram":
-        return _polar_in_gram_space(x, ns_steps)
-    tall = x.shape[-2] > x.shape[-1]
-    # a X + (b A + c A^2) X is computed as (a I + b A + c A^2) X: the a-term goes on the
-    # small Gram side, saving a pass over the long side per step.
-    eye = jnp.eye(min(x.shape[-2:]), dtype=x.dtype)
-    for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
-        if tall:  # Gram on the short (column) side: A = X^T X, X (a I + b A + c A^2)
-            gram = _matmul(jnp.swapaxes(x, -1, -2), x)
-            x = _matmul(x, a * eye + b * gram + c * _matmul(gram, gram))
-        else:  # wide or square: A = X X^T, (a I + b A + c A^2) X
-            gram = _matmul(x, jnp.swapaxes(x, -1, -2))
-            x = _matmul(a * eye + b * gram + c * _matmul(gram, gram), x)
-    return x
+    coeffs = POLAR_EXPRESS_COEFFS[:ns_steps]
+    method = choose_method(x.shape[-2], x.shape[-1], ns_steps, method, x.dtype)
+    if method == "direct" or ns_steps <= GRAM_DIRECT_STEPS + 1:
+        return _direct_steps(x, coeffs)
+    x = _direct_steps(x, coeffs[:GRAM_DIRECT_STEPS])
+    return _gram_space_steps(x, coeffs[GRAM_DIRECT_STEPS:])
 
 
 def orthogonalize(

@@ -207,7 +207,7 @@ class ReferenceMuonAdamW:
             g, hp = _f64(grads[path]), self.groups[self.labels[path]]
             v = {k: self._value(x) for k, x in hp.items()
                  if k not in ("kind", "ns_steps", "row_equilibration", "renormalize",
-                              "compute_dtype", "betas")}
+                              "compute_dtype", "polar_method", "betas")}
             if hp["kind"] == "adamw":
                 m, vv = self.state.get(path, (np.zeros_like(g), np.zeros_like(g)))
                 b1, b2 = (self._value(b) for b in hp["betas"])

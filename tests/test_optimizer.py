@@ -108,12 +108,14 @@ def test_ns_steps_match_reference(ns_steps):
     assert_changes_close(changes, 1e-5)
 
 
-def test_large_matrices_match_reference():
+@pytest.mark.parametrize("polar_method", ["direct", "gram"])
+def test_large_matrices_match_reference(polar_method):
     # Bigger matrices: float32 matmul rounding grows; cautious decay off so a float32
     # sign flip of O*P near zero does not count as an error.
     shapes = {"wide": (128, 512), "tall": (512, 128), "square": (256, 256)}
     labels = dict.fromkeys(shapes, "m")
-    changes = run_both(shapes, {"m": muon_group(weight_decay=0.0)}, labels, steps=4)
+    groups = {"m": muon_group(weight_decay=0.0, polar_method=polar_method)}
+    changes = run_both(shapes, groups, labels, steps=4)
     assert_changes_close(changes, 5e-5)
 
 
