@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from muon_optax.hparams import MuonConfig, Scalar, value_at
-from muon_optax.polar import default_compute_dtype, fro_norm, orthogonalize
+from muon_optax.polar import default_compute_dtype, polar_express
 
 
 class MuonStackState(NamedTuple):
@@ -59,21 +59,33 @@ def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
             for k in ("lr", "momentum", "beta2", "weight_decay")}
 
 
-def _equilibrate(x: jax.Array, transposed: bool | jax.Array) -> jax.Array:
-    """MuonEq: scale each (original) row to the matrix's RMS row norm. Norms in float32."""
+def _input_scale(x: jax.Array, transposed: bool | jax.Array,
+                 row_equilibration: bool) -> jax.Array:
+    """MuonEq and the basin scaling as one factor per own row, from one pass of norms.
+
+    MuonEq scales each of the matrix's own rows to the RMS row norm
+    ``||X||_F / sqrt(rows)``; the polar iteration then needs ``X / (1.01 ||X||_F +
+    1e-6)``. The Frobenius norm after equilibration follows from the row norms, so both
+    scalings are one multiply of ``X``. Norms in float32.
+    """
     x32 = x.astype(jnp.float32)
-    fro = fro_norm(x32)
 
-    def scale(axis: int) -> jax.Array:  # axis summed over: -1 gives row norms (R, 1)
-        n_rows = x.shape[-2] if axis == -1 else x.shape[-1]
-        norms = jnp.sqrt(jnp.sum(x32 * x32, axis=axis, keepdims=True))
-        return (fro / jnp.sqrt(n_rows)) / jnp.maximum(norms, 1e-6)
+    def factor(axis: int) -> jax.Array:  # axis summed over: -1 makes stored rows own rows
+        sq = jnp.sum(x32 * x32, axis=axis, keepdims=True)
+        fro2 = jnp.sum(sq, axis=(-2, -1), keepdims=True)
+        if not row_equilibration:
+            return 1 / (1.01 * jnp.sqrt(fro2) + 1e-6)
+        own_rows = x.shape[-2] if axis == -1 else x.shape[-1]
+        eq = jnp.sqrt(fro2 / own_rows) / jnp.maximum(jnp.sqrt(sq), 1e-6)
+        fro_eq = jnp.sqrt(jnp.sum(sq * eq * eq, axis=(-2, -1), keepdims=True))
+        return eq / (1.01 * fro_eq + 1e-6)
 
-    if isinstance(transposed, bool):
-        factor = scale(-2) if transposed else scale(-1)
-    else:  # a stack mixing both orientations: pick per matrix
-        factor = jnp.where(transposed[:, None, None], scale(-2), scale(-1))
-    return x * factor.astype(x.dtype)
+    if not row_equilibration or transposed is False:
+        return factor(-1)
+    if transposed is True:
+        return factor(-2)
+    # a stack mixing both orientations: pick per matrix
+    return jnp.where(transposed[:, None, None], factor(-2), factor(-1))
 
 
 def muon_direction(
@@ -91,6 +103,10 @@ def muon_direction(
     state keep. ``momentum`` and ``beta2`` are scalars or per-matrix ``(K, 1, 1)``
     arrays. ``transposed`` says whether a matrix's own rows are the stored columns (a
     bool for the whole stack, or a ``(K,)`` array). Zero padding stays exactly zero.
+
+    Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
+    column, so each side of the polar iteration is one pass of statistics and one
+    multiply.
     """
     f32 = jnp.float32
     rows, cols = g.shape[-2:]
@@ -102,24 +118,27 @@ def muon_direction(
     u = g32 + momentum * (buf32 - g32)
 
     x = u.astype(compute_dtype)
-    if cfg.row_equilibration:
-        x = _equilibrate(x, transposed)
-    o = orthogonalize(x, cfg.ns_steps, compute_dtype=compute_dtype, method=cfg.polar_method)
+    x = (x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration))
+    o = polar_express(x.astype(compute_dtype), cfg.ns_steps, cfg.polar_method)
     o = o.astype(dtype).astype(f32)  # the rule rounds O to the parameter dtype here
-    if cfg.renormalize:
-        o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro_norm(o), 1e-6))
 
     # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
-    # the matrix's overall norm is kept.
+    # the matrix's overall norm is kept. Muon+ (O * sqrt(min(R, C)) / ||O||_F) scales
+    # those statistics by r^2, ||O||_F^2 being n * sum(v).
     red = normuon_axis(rows, cols, transposed)
     n = o.shape[red]
     v = jnp.mean(o * o, axis=red, keepdims=True)
+    r = 1.0
+    if cfg.renormalize:
+        fro = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)
+        r = jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6)
+        v = v * (r * r)
     v_norm = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)
     s = state.second_moment.astype(f32)
     s = (s + (1 - beta2) * (v - s)).astype(dtype)
     step = jax.lax.rsqrt(jnp.maximum(s.astype(f32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v * n * step * step, axis=(-2, -1), keepdims=True))
-    o = o * (step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
+    o = o * (r * step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
     return o.astype(dtype), MuonStackState(buf32.astype(dtype), s)
 
 

@@ -200,19 +200,23 @@ def build(
         # Stacks are independent, so XLA may overlap one's collectives with another's math.
         new_muon, previous = [], None
         for stack, st in zip(plan.stacks, state.muon):
-            g = comm.mean_scatter(stack.stack([g_leaves[m.index] for m in stack.members]), 0)
-            if previous is not None:
-                # One stack at a time: without this XLA may interleave the stacks and keep
-                # all their (K, R, C) temporaries alive at once. The collectives above are
-                # not held back, only the math.
+            # One stack at a time, the previous one's updates finished: without this XLA
+            # may interleave the stacks and keep all their (K, R, C) temporaries alive at
+            # once. The math waits; a collective need not, so it may overlap the
+            # previous stack's work, while on one device even the stacking copy waits.
+            members = [g_leaves[m.index] for m in stack.members]
+            if previous is not None and not comm.active:
+                members, _ = jax.lax.optimization_barrier((members, previous))
+            g = comm.mean_scatter(stack.stack(members), 0)
+            if previous is not None and comm.active:
                 g, _ = jax.lax.optimization_barrier((g, previous))
             o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
             new_muon.append(st)
-            previous = o
             for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):
                 hp = hps[m.group]
                 updates[m.index] = cautious_update(o_leaf, p_leaves[m.index],
                                                    hp["lr"] * m.lr_scale, hp["weight_decay"])
+            previous = [updates[m.index] for m in stack.members]
 
         new_state = MuonAdamWState(
             optax.safe_int32_increment(count), plan.treedef.unflatten(mu),
