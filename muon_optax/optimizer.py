@@ -117,6 +117,60 @@ def _slot_hparams(stack: Stack, hps: dict[str, dict[str, jax.Array]], comm: Coll
     return out
 
 
+def _adamw_step(plan, comm, hps, t, g_leaves, p_leaves, state, updates):
+    """AdamW leaves: fills ``updates``; returns the new ``(mu, nu)`` trees.
+
+    Small params are all-reduced and updated everywhere; large ones are reduce-scattered
+    along their split axis, updated as a slice with their slice of the moments, and the
+    updates all-gathered back.
+    """
+    mu = plan.treedef.flatten_up_to(state.mu)
+    nu = plan.treedef.flatten_up_to(state.nu)
+    for a in plan.adamw:
+        g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
+        if a.axis is None:
+            g = comm.mean(g)
+        else:
+            g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
+            p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
+        u, mu[a.index], nu[a.index] = adamw_leaf_update(
+            g, p, mu[a.index], nu[a.index], t, hps[a.group])
+        if a.axis is not None:
+            u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
+        updates[a.index] = u
+    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
+
+
+def _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates):
+    """Muon stacks: fills ``updates``; returns the new stack states.
+
+    Per stack: reduce-scatter the stacked gradients so each device holds the mean
+    gradient of the matrices it owns, compute their directions, all-gather the
+    directions. The cautious update is elementwise, so it runs per leaf in the leaf's
+    own layout and no stacked copy of the params is ever made.
+    """
+    new_states, previous = [], None
+    for stack, st in zip(plan.stacks, state.muon):
+        # One stack at a time, the previous one's updates finished: without this XLA may
+        # interleave the stacks and keep all their (K, R, C) temporaries alive at once.
+        # The math waits; a collective need not, so it may overlap the previous stack's
+        # work, while on one device even the stacking copy waits.
+        members = [g_leaves[m.index] for m in stack.members]
+        if previous is not None and not comm.active:
+            members, _ = jax.lax.optimization_barrier((members, previous))
+        g = comm.mean_scatter(stack.stack(members), 0)
+        if previous is not None and comm.active:
+            g, _ = jax.lax.optimization_barrier((g, previous))
+        o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
+        new_states.append(st)
+        for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):
+            hp = hps[m.group]
+            updates[m.index] = cautious_update(o_leaf, p_leaves[m.index],
+                                               hp["lr"] * m.lr_scale, hp["weight_decay"])
+        previous = [updates[m.index] for m in stack.members]
+    return tuple(new_states)
+
+
 def build(
     configs: Mapping[str, AdamWConfig | MuonConfig],
     param_labels: Any,
@@ -174,53 +228,9 @@ def build(
         hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                       else muon_hparams(c, count)) for name, c in configs.items()}
         updates = [None] * len(g_leaves)
-        mu = plan.treedef.flatten_up_to(state.mu)
-        nu = plan.treedef.flatten_up_to(state.nu)
-
-        # AdamW: small params are all-reduced and updated everywhere; large ones are
-        # reduce-scattered along their split axis, updated as a slice, gathered back.
-        t = count + 1
-        for a in plan.adamw:
-            g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
-            if a.axis is None:
-                g = comm.mean(g)
-            else:
-                g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
-                p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
-            u, mu[a.index], nu[a.index] = adamw_leaf_update(
-                g, p, mu[a.index], nu[a.index], t, hps[a.group])
-            if a.axis is not None:
-                u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
-            updates[a.index] = u
-
-        # Muon: per stack, reduce-scatter the stacked gradients so each device holds the
-        # mean gradient of the matrices it owns, compute their directions, all-gather the
-        # directions; the cautious update is elementwise, so it runs per leaf in the
-        # leaf's own layout and no stacked copy of the params is ever made.
-        # Stacks are independent, so XLA may overlap one's collectives with another's math.
-        new_muon, previous = [], None
-        for stack, st in zip(plan.stacks, state.muon):
-            # One stack at a time, the previous one's updates finished: without this XLA
-            # may interleave the stacks and keep all their (K, R, C) temporaries alive at
-            # once. The math waits; a collective need not, so it may overlap the
-            # previous stack's work, while on one device even the stacking copy waits.
-            members = [g_leaves[m.index] for m in stack.members]
-            if previous is not None and not comm.active:
-                members, _ = jax.lax.optimization_barrier((members, previous))
-            g = comm.mean_scatter(stack.stack(members), 0)
-            if previous is not None and comm.active:
-                g, _ = jax.lax.optimization_barrier((g, previous))
-            o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
-            new_muon.append(st)
-            for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):
-                hp = hps[m.group]
-                updates[m.index] = cautious_update(o_leaf, p_leaves[m.index],
-                                                   hp["lr"] * m.lr_scale, hp["weight_decay"])
-            previous = [updates[m.index] for m in stack.members]
-
-        new_state = MuonAdamWState(
-            optax.safe_int32_increment(count), plan.treedef.unflatten(mu),
-            plan.treedef.unflatten(nu), tuple(new_muon))
+        mu, nu = _adamw_step(plan, comm, hps, count + 1, g_leaves, p_leaves, state, updates)
+        muon = _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates)
+        new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon)
         return plan.treedef.unflatten(updates), new_state
 
     def state_specs(params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
