@@ -1,0 +1,139 @@
+"""The GPT example (examples/gpt/train.py), end to end on a tiny config, in-process.
+
+``train.main(argv)`` runs in this process: conftest.py has already asked XLA for 8 CPU
+devices, of which ``--devices 2`` takes two. Every run trains depth 1 (width 64), batches
+of 4 x 32 bytes, 12 steps, on a ~40 KB corpus file written to a temporary directory.
+"""
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("orbax.checkpoint")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+if str(EXAMPLE) not in sys.path:
+    sys.path.insert(0, str(EXAMPLE))
+
+import train  # noqa: E402
+
+STEPS = 12
+TINY = ["--depth", "1", "--seq-len", "32", "--batch-size", "4", "--steps", str(STEPS),
+        "--eval-every", "6", "--eval-batches", "2", "--ckpt-every", "0", "--no-progress"]
+
+
+def read_log(out):
+    with open(Path(out) / "log.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def math_of(log):
+    """The records without the timings: what must repeat exactly."""
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in log]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    text = b"\n".join(p.read_bytes() for p in sorted(EXAMPLE.glob("*.py")))
+    assert len(text) > 40_000
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(text[:40_000])
+    return path
+
+
+def run(out, corpus, *extra):
+    return train.main([*TINY, "--data", str(corpus), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("baseline")
+    assert run(out, corpus) == 0
+    return out, read_log(out)
+
+
+def test_tiny_run_trains_and_writes_its_files(baseline):
+    out, log = baseline
+    assert [r["step"] for r in log] == list(range(STEPS + 1))
+    assert set(log[0]) == {"step", "val_loss", "val_bpb"}            # the untrained model
+    assert {"step", "loss", "lr_mult", "tokens_per_s"} <= set(log[1])
+    val = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
+    assert [s for s, _ in val] == [0, 6, 12]
+    assert val[0][1] == pytest.approx(np.log(256), abs=0.1)           # uniform over bytes
+    assert val[-1][1] < val[0][1] - 1.0
+    losses = [r["loss"] for r in log[1:]]
+    assert np.mean(losses[-3:]) < losses[0] - 1.0
+    assert all(np.isfinite(losses))
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "ckpt" / str(STEPS)).is_dir()                      # the final checkpoint
+    assert json.loads((out / "config.json").read_text())["steps"] == STEPS
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="SIGINT handlers need the main thread")
+def test_ctrl_c_saves_and_resume_repeats_the_run(baseline, corpus, tmp_path, monkeypatch,
+                                                 capsys):
+    original = train.ByteDataset.batch
+
+    def batch(self, step):  # Ctrl-C while step 5 (index 4) is being prepared
+        if step == 4:
+            signal.raise_signal(signal.SIGINT)
+        return original(self, step)
+
+    monkeypatch.setattr(train.ByteDataset, "batch", batch)
+    assert run(tmp_path, corpus) == train.EXIT_INTERRUPTED
+    assert "interrupted: checkpoint of step 5 saved" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["5"]
+    assert read_log(tmp_path)[-1]["step"] == 5
+    monkeypatch.undo()
+
+    assert run(tmp_path, corpus, "--resume") == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert math_of(read_log(tmp_path)) == math_of(baseline[1])       # bitwise the same run
+
+    # A checkpoint resumes only the run that wrote it.
+    assert run(tmp_path, corpus, "--resume", "--steps", "20") == train.EXIT_USAGE
+    assert "steps=12 (now 20)" in capsys.readouterr().err
+
+
+def test_two_devices_match_one_and_compare_adamw(baseline, corpus, tmp_path, capsys):
+    assert run(tmp_path, corpus, "--devices", "2", "--compare", "adamw") == 0
+    assert "sharded MuonAdamW" in capsys.readouterr().out
+    one, two = baseline[1], read_log(tmp_path)
+    assert [r["step"] for r in two] == [r["step"] for r in one]
+    # Same global batch: the same curve up to float rounding (amplified by the tiny model's
+    # high learning rates).
+    np.testing.assert_allclose([r["loss"] for r in two[1:]], [r["loss"] for r in one[1:]],
+                               rtol=1e-2)
+    np.testing.assert_allclose([r["val_loss"] for r in two if "val_loss" in r],
+                               [r["val_loss"] for r in one if "val_loss" in r], rtol=1e-2)
+    adamw = read_log(tmp_path / "adamw")
+    assert adamw[0]["val_loss"] == pytest.approx(one[0]["val_loss"])   # the same init
+    assert adamw[-1]["val_loss"] < adamw[0]["val_loss"]
+
+
+def test_missing_data_path_is_a_clear_error(tmp_path, capsys):
+    assert train.main(["--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_too_small_corpus_is_a_clear_error(tmp_path, capsys):
+    small = tmp_path / "small.txt"
+    small.write_text("hello world\n" * 20)
+    assert train.main(["--data", str(small), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "too small" in err and "Traceback" not in err
+
+
+def test_batch_must_split_over_the_devices(corpus, tmp_path, capsys):
+    assert run(tmp_path, corpus, "--devices", "3") == 2
+    assert "not divisible by --devices 3" in capsys.readouterr().err
