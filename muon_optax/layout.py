@@ -56,16 +56,24 @@ class MatrixLeaf:
     shape: tuple[int, ...]
     dtype: Any
     group: str
-    perm: tuple[int, ...]       # leaf axes reordered to (batch..., out..., in...)
+    batch_axes: tuple[int, ...]
+    out_axes: tuple[int, ...]
+    in_axes: tuple[int, ...]
     batch: int
     rows: int
     cols: int
-    inputs_first: bool          # the leaf's input axes precede its output axes
 
     @property
     def transposed(self) -> bool:
         """Stored as the transpose ``(cols, rows)``: tall, or square laid out (in, out)."""
-        return self.rows > self.cols or (self.rows == self.cols and self.inputs_first)
+        inputs_first = min(self.in_axes) < min(self.out_axes)
+        return self.rows > self.cols or (self.rows == self.cols and inputs_first)
+
+    @property
+    def stored_perm(self) -> tuple[int, ...]:
+        """Leaf axes in stored order: batch, then stored rows, then stored columns."""
+        sides = self.in_axes + self.out_axes if self.transposed else self.out_axes + self.in_axes
+        return self.batch_axes + sides
 
     @property
     def stored_shape(self) -> tuple[int, int]:
@@ -78,15 +86,13 @@ class MatrixLeaf:
 
     def to_stored(self, x: jax.Array) -> jax.Array:
         """``(batch, R, C)`` stored view of a leaf-shaped array (wide or square)."""
-        x = jnp.transpose(x, self.perm).reshape(self.batch, self.rows, self.cols)
-        return jnp.swapaxes(x, -1, -2) if self.transposed else x
+        # One transpose (none at all for a Flax kernel stored as laid out), then a reshape.
+        return jnp.transpose(x, self.stored_perm).reshape((self.batch,) + self.stored_shape)
 
     def from_stored(self, y: jax.Array) -> jax.Array:
         """Inverse of :meth:`to_stored`."""
-        if self.transposed:
-            y = jnp.swapaxes(y, -1, -2)
-        permuted_shape = tuple(self.shape[a] for a in self.perm)
-        return jnp.transpose(y.reshape(permuted_shape), np.argsort(self.perm))
+        permuted_shape = tuple(self.shape[a] for a in self.stored_perm)
+        return jnp.transpose(y.reshape(permuted_shape), np.argsort(self.stored_perm))
 
 
 def matrix_leaf(index: int, path: str, leaf: Any, group: str,
@@ -113,8 +119,8 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
                          "Muon cannot orthogonalize an empty matrix.")
     size = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
     return MatrixLeaf(index=index, path=path, shape=shape, dtype=jnp.dtype(leaf.dtype),
-                      group=group, perm=batch_axes + out + red, batch=size(batch_axes),
-                      rows=size(out), cols=size(red), inputs_first=min(red) < min(out))
+                      group=group, batch_axes=batch_axes, out_axes=out, in_axes=red,
+                      batch=size(batch_axes), rows=size(out), cols=size(red))
 
 
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
