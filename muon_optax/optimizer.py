@@ -147,27 +147,18 @@ def _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates):
     Per stack: reduce-scatter the stacked gradients so each device holds the mean
     gradient of the matrices it owns, compute their directions, all-gather the
     directions. The cautious update is elementwise, so it runs per leaf in the leaf's
-    own layout and no stacked copy of the params is ever made.
+    own layout and no stacked copy of the params is ever made. Stacks are independent:
+    XLA may overlap one stack's collectives with another's math.
     """
-    new_states, previous = [], None
+    new_states = []
     for stack, st in zip(plan.stacks, state.muon):
-        # One stack at a time, the previous one's updates finished: without this XLA may
-        # interleave the stacks and keep all their (K, R, C) temporaries alive at once.
-        # The math waits; a collective need not, so it may overlap the previous stack's
-        # work, while on one device even the stacking copy waits.
-        members = [g_leaves[m.index] for m in stack.members]
-        if previous is not None and not comm.active:
-            members, _ = jax.lax.optimization_barrier((members, previous))
-        g = comm.mean_scatter(stack.stack(members), 0)
-        if previous is not None and comm.active:
-            g, _ = jax.lax.optimization_barrier((g, previous))
+        g = comm.mean_scatter(stack.stack([g_leaves[m.index] for m in stack.members]), 0)
         o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
         new_states.append(st)
         for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):
             hp = hps[m.group]
             updates[m.index] = cautious_update(o_leaf, p_leaves[m.index],
                                                hp["lr"] * m.lr_scale, hp["weight_decay"])
-        previous = [updates[m.index] for m in stack.members]
     return tuple(new_states)
 
 
