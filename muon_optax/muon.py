@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from muon_optax.hparams import MuonConfig, Scalar, value_at
-from muon_optax.polar import default_compute_dtype, polar_express
+from muon_optax.polar import default_compute_dtype, polar_express_stack
 
 
 class MuonStackState(NamedTuple):
@@ -119,7 +119,7 @@ def muon_direction(
 
     x = u.astype(compute_dtype)
     x = (x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration))
-    o = polar_express(x.astype(compute_dtype), cfg.ns_steps, cfg.polar_method)
+    o = polar_express_stack(x.astype(compute_dtype), cfg.ns_steps, cfg.polar_method)
     o = o.astype(dtype).astype(f32)  # the rule rounds O to the parameter dtype here
 
     # NorMuon: a factored second moment of O along the reduced axis, then rescale so that

@@ -54,3 +54,12 @@ def test_auto_uses_gram_only_where_it_saves_flops_in_float32():
     assert polar_flops(256, 1024, 5, "direct") / polar_flops(256, 1024, 5, "gram") > 1.25
     with pytest.raises(ValueError, match="polar method"):
         choose_method(4, 8, 5, "fast")
+
+
+def test_stack_form_matches_batched_form():
+    from muon_optax.polar import polar_express_stack
+
+    x = jnp.asarray(np.stack([conditioned(32, 96, 2, seed=s) for s in range(4)]), jnp.float32)
+    for method in ("direct", "gram"):
+        np.testing.assert_allclose(polar_express_stack(x, 5, method),
+                                   polar_express(x, 5, method), rtol=0, atol=2e-6)
