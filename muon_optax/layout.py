@@ -159,10 +159,6 @@ class Stack:
         return sum(m.batch for m in self.members)
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.padded, self.rows, self.cols)
-
-    @property
     def reduces_rows(self) -> bool:
         """NorMuon's averaging axis is the stored rows (see ``muon.normuon_axis``)."""
         return self.rows < self.cols or self.members[0].transposed

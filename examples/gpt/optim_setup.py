@@ -226,41 +226,18 @@ def make_optimizer(
     cfg,
     *,
     total_steps: int,
-    warmup_steps: int = 40,
-    warmdown_frac: float = 0.65,
-    final_lr_frac: float = 0.05,
-    embedding_lr: float = 0.3,
-    unembedding_lr: float = 0.008,
-    matrix_lr: float = 0.02,
-    scalar_lr: float = 0.5,
-    weight_decay: float = 0.28,
-    lr_scale: float = 1.0,
-    momentum_warmup_steps: int | None = None,
-    muon_options: dict[str, Any] | None = None,
     axis_name: str | None = None,
+    **group_settings: Any,
 ) -> optax.GradientTransformation:
     """nanochat's MuonAdamW for a ``model.GPT`` with config ``cfg``.
 
     ``params`` is the model's parameter pytree (e.g. ``nnx.state(model, nnx.Param)``),
-    used here only to check the grouping. ``muon_options`` goes into the Muon group
-    (e.g. ``dict(compute_dtype=jnp.bfloat16)``); ``axis_name`` selects the sharded
-    variant of ``muon_optax.muon_adamw``.
+    used here only to check the grouping. ``group_settings`` are :func:`make_groups`'
+    keywords (learning rates, schedule shape, ``muon_options`` such as
+    ``dict(compute_dtype=jnp.bfloat16)``); ``axis_name`` selects the sharded variant of
+    ``muon_optax.muon_adamw``.
     """
     check_labels(params)
-    groups = make_groups(
-        cfg.n_embd,
-        total_steps=total_steps,
-        warmup_steps=warmup_steps,
-        warmdown_frac=warmdown_frac,
-        final_lr_frac=final_lr_frac,
-        embedding_lr=embedding_lr,
-        unembedding_lr=unembedding_lr,
-        matrix_lr=matrix_lr,
-        scalar_lr=scalar_lr,
-        weight_decay=weight_decay,
-        lr_scale=lr_scale,
-        momentum_warmup_steps=momentum_warmup_steps,
-        muon_options=muon_options,
-    )
+    groups = make_groups(cfg.n_embd, total_steps=total_steps, **group_settings)
     labels = muon_optax.label_by_path(LABEL_RULES, matrix="unmatched", other="unmatched")
     return muon_optax.muon_adamw(groups, labels, axis_name=axis_name)
