@@ -36,6 +36,7 @@ from muon_optax.muon import (
     muon_direction,
     muon_hparams,
 )
+from muon_optax.polar import after
 from muon_optax.sharding import Collectives, adamw_shard_axis, pad_to, padded_shape, spec
 
 SMALL_PARAM_THRESHOLD = 1024
@@ -147,12 +148,16 @@ def _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates):
     Per stack: reduce-scatter the stacked gradients so each device holds the mean
     gradient of the matrices it owns, compute their directions, all-gather the
     directions. The cautious update is elementwise, so it runs per leaf in the leaf's
-    own layout and no stacked copy of the params is ever made. Stacks are independent:
-    XLA may overlap one stack's collectives with another's math.
+    own layout and no stacked copy of the params is ever made. A stack's arithmetic
+    starts once the previous stack's directions are done (only one stack's temporaries
+    are alive at a time); its collectives are not held back, so XLA may still overlap
+    them with another stack's math.
     """
-    new_states = []
+    new_states, o = [], None
     for stack, st in zip(plan.stacks, state.muon):
         g = comm.mean_scatter(stack.stack([g_leaves[m.index] for m in stack.members]), 0)
+        # One stack at a time: its temporaries die before the next stack's are made.
+        g = after(g, o)
         o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
         new_states.append(st)
         for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):
