@@ -162,31 +162,27 @@ CPU_PER_MATRIX_MAX = 64
 def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
     """``x`` unchanged, but computed only once ``prev`` is.
 
-    XLA's scheduler otherwise interleaves independent matrices step by step, keeping
-    every matrix's iteration buffers alive at once. Adding ``-0.0`` derived from one
-    element of ``prev`` is exact for every ``x`` (signed zeros, inf and NaN included),
-    whatever ``prev`` holds, and XLA cannot fold it away.
+    XLA's scheduler otherwise interleaves independent computations step by step (two
+    stacks' polar iterations, say), so both sets of buffers are alive at once. The
+    dependency is ``x + (-0.0)``, the zero made from one element of ``prev``: ``x`` bit
+    for bit (signed zeros, inf and NaN included; subnormals are flushed, as by any
+    XLA:CPU arithmetic), and still ``-0.0`` when ``prev`` holds inf or NaN. XLA does
+    not fold float arithmetic on a runtime value, so the dependency survives
+    optimisation (an ``optimization_barrier`` did not: XLA:CPU dropped it).
     """
     if prev is None:
         return x
-    zero = -(jnp.abs(prev.reshape(-1)[0]) * 0).astype(x.dtype)
-    return x + zero
+    v = prev.reshape(-1)[0]
+    zero = -(jnp.abs(jnp.where(jnp.isfinite(v), v, 0)) * 0)
+    return x + zero.astype(x.dtype)
 
 
 def polar_express_stack(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> jax.Array:
-    """:func:`polar_express` on a stack ``(K, R, C)``: batched, or per matrix on CPU.
-
-    On CPU the matrices run one after the other, so that only one matrix's iteration
-    buffers are alive at a time.
-    """
+    """:func:`polar_express` on a stack ``(K, R, C)``: batched, or per matrix on CPU."""
     k = x.shape[0]
     if jax.default_backend() != "cpu" or not 1 < k <= CPU_PER_MATRIX_MAX:
         return polar_express(x, ns_steps, method)
-    out, prev = [], None
-    for i in range(k):
-        prev = polar_express(after(x[i], prev), ns_steps, method)
-        out.append(prev)
-    return jnp.stack(out)
+    return jnp.stack([polar_express(x[i], ns_steps, method) for i in range(k)])
 
 
 def orthogonalize(

@@ -169,3 +169,45 @@ def test_several_shapes_in_one_group_are_stacked():
     tx = muon_optax.muon_adamw({"m": muon_group()}, lambda p: jax.tree.map(lambda _: "m", p))
     info = tx.init.stack_info(params)
     assert [(s["shape"], s["size"]) for s in info] == [((16, 48), 2), ((16, 16), 3)]
+
+
+def _two_stack_problem():
+    """A nanochat block's Muon matrices, two layers: a (64, 256) stack and a (64, 64) one."""
+    shapes = {f"{i}.{n}": s for i in range(2)
+              for n, s in [("q", (64, 64)), ("k", (64, 64)), ("v", (64, 64)), ("o", (64, 64)),
+                           ("fc", (64, 256)), ("proj", (256, 64))]}
+    params = random_tree(shapes)
+    tx = muon_optax.muon_adamw({"m": muon_group()}, lambda p: jax.tree.map(lambda _: "m", p))
+    return params, tx
+
+
+def test_nan_gradient_stays_in_its_stack():
+    # Stacks are sequenced by a data dependency (polar.after); it must carry no values.
+    params, tx = _two_stack_problem()
+    info = tx.init.stack_info(params)
+    first = info[0]["members"][0]
+    assert [i["shape"] for i in info] == [(64, 256), (64, 64)]
+    grads = random_tree({k: v.shape for k, v in params.items()}, seed=1)
+    bad = dict(grads, **{first: grads[first].at[0, 0].set(jnp.nan)})
+    clean, _ = tx.update(grads, tx.init(params), params)
+    dirty, _ = tx.update(bad, tx.init(params), params)
+    for name in info[1]["members"]:
+        chex.assert_trees_all_equal(dirty[name], clean[name])
+    assert np.isnan(np.asarray(dirty[first])).all()
+
+
+def test_stacks_temporaries_are_not_alive_together():
+    # Without sequencing, XLA interleaves the two stacks' polar iterations and keeps both
+    # sets of buffers: 3.25x the largest stack's gradient bytes here; 2.56x with it.
+    params, tx = _two_stack_problem()
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params),
+                                                          params).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    largest = max(i["size"] * i["shape"][0] * i["shape"][1] * 4
+                  for i in tx.init.stack_info(params))
+    assert temp <= 3 * largest, temp / largest

@@ -4,7 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muon_optax.polar import POLAR_EXPRESS_COEFFS, choose_method, polar_express, polar_flops
+from muon_optax.polar import (
+    POLAR_EXPRESS_COEFFS,
+    after,
+    choose_method,
+    polar_express,
+    polar_flops,
+)
 
 
 def exact(x):
@@ -63,3 +69,11 @@ def test_stack_form_matches_batched_form():
     for method in ("direct", "gram"):
         np.testing.assert_allclose(polar_express_stack(x, 5, method),
                                    polar_express(x, 5, method), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("prev", [2.0, -3.0, 0.0, -0.0, np.inf, -np.inf, np.nan])
+def test_after_returns_x_bit_for_bit(prev):
+    # (No subnormals: XLA:CPU flushes them to zero in any arithmetic.)
+    x = jnp.array([0.0, -0.0, 1.5, -2.5, np.inf, -np.inf, np.nan, 1e-30], jnp.float32)
+    got = np.asarray(after(x, jnp.full((2, 3), prev, jnp.float32)))
+    np.testing.assert_array_equal(got.view(np.uint32), np.asarray(x).view(np.uint32))
