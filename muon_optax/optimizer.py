@@ -155,9 +155,13 @@ def _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates):
     """
     new_states, o = [], None
     for stack, st in zip(plan.stacks, state.muon):
-        g = comm.mean_scatter(stack.stack([g_leaves[m.index] for m in stack.members]), 0)
         # One stack at a time: its temporaries die before the next stack's are made.
-        g = after(g, o)
+        # Unsharded, the stacking copy waits too; sharded, only the arithmetic waits,
+        # so the collective may overlap the previous stack's math.
+        leaves = [g_leaves[m.index] for m in stack.members]
+        if not comm.active:
+            leaves = [after(x, o) for x in leaves]
+        g = after(comm.mean_scatter(stack.stack(leaves), 0), o if comm.active else None)
         o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
         new_states.append(st)
         for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):

@@ -1,0 +1,91 @@
+"""How much of muon_optax's step is the polar iteration: the floor under the speed ratios.
+
+Times, interleaved in one process: ``optax.contrib.muon`` and ``muon_optax`` (the
+``step_time.py`` contenders), and ``polar_only``: nothing but
+``muon_optax.polar.polar_express_stack`` on stacks of the same shapes (the library's
+``polar_method``, per matrix on CPU), already scaled, with no momentum, statistics,
+scaling, stacking or update around it. ``polar_only / optax_contrib`` is the ratio
+muon_optax would reach if everything but its polar iteration were free; ``muon_optax -
+polar_only`` is what the rest costs.
+
+    PYTHONPATH=. python benchmarks/overhead.py --reps 30
+    PYTHONPATH=. python benchmarks/overhead.py --n-embd 512 --n-layer 8 --reps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import jax
+import numpy as np
+
+import muon_optax
+from benchmarks import step_time as st
+from benchmarks.params import (
+    nanochat_groups,
+    nanochat_labels,
+    nanochat_params,
+    optax_contrib_muon,
+    random_grads,
+)
+from muon_optax.polar import polar_express_stack
+
+
+class PolarOnly:
+    """The polar iteration alone, on one random, basin-scaled stack per Muon stack."""
+
+    def __init__(self, stacks: list[tuple[int, int, int]], method: str):
+        rng = np.random.default_rng(0)
+        xs = []
+        for k, r, c in stacks:
+            x = rng.standard_normal((k, r, c), dtype=np.float32)
+            xs.append(x / (1.01 * np.linalg.norm(x, axis=(1, 2), keepdims=True)))
+        self.xs = jax.device_put(xs)
+        fn = jax.jit(lambda xs: [polar_express_stack(x, 5, method) for x in xs])
+        self.run = fn.lower(self.xs).compile()
+
+    def __call__(self) -> None:
+        jax.block_until_ready(self.run(self.xs))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    args = ap.parse_args(argv)
+
+    dev = jax.devices("cpu")[0]
+    params = nanochat_params(args.n_embd, args.n_layer, args.vocab, "float32")
+    grads = random_grads(params)
+    groups = nanochat_groups(args.n_embd)
+    tx = muon_optax.muon_adamw(groups, nanochat_labels(params))
+    stacks = [(s["padded"], *s["shape"]) for s in tx.init.stack_info(params)]
+    contenders = {
+        "optax_contrib": st.JaxContender(optax_contrib_muon(params), params, grads, dev),
+        "muon_optax": st.JaxContender(tx, params, grads, dev),
+        "polar_only": PolarOnly(stacks, groups["matrix"].get("polar_method", "auto")),
+    }
+    for c in contenders.values():
+        if hasattr(c, "compile"):
+            c.compile()
+        for _ in range(3):
+            c()
+    load = os.getloadavg()
+    times = st.time_interleaved(contenders, args.reps)
+    print(f"# d{args.n_embd} x {args.n_layer}, stacks {stacks}, {args.reps} rounds; load "
+          f"average {load[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print("| contender | median ms | /optax_contrib | /muon_optax |")
+    print("|---|---:|---:|---:|")
+    for name in contenders:
+        ratios = [statistics.median(x / y for x, y in zip(times[name], times[base]))
+                  for base in ("optax_contrib", "muon_optax")]
+        print(f"| {name} | {statistics.median(times[name]) * 1e3:.1f} | {ratios[0]:.3f} | "
+              f"{ratios[1]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
