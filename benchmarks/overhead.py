@@ -4,9 +4,10 @@ Times, interleaved in one process: ``optax.contrib.muon`` and ``muon_optax`` (th
 ``step_time.py`` contenders), and ``polar_only``: nothing but
 ``muon_optax.polar.polar_express_stack`` on stacks of the same shapes (the library's
 ``polar_method``, per matrix on CPU), already scaled, with no momentum, statistics,
-scaling, stacking or update around it. ``polar_only / optax_contrib`` is the ratio
-muon_optax would reach if everything but its polar iteration were free; ``muon_optax -
-polar_only`` is what the rest costs.
+scaling, stacking or update around it; and ``no_polar``: muon_optax's whole step with
+the polar iteration replaced by one elementwise pass (``x * 1.0001``, so the data flow
+stays), i.e. what everything else costs on its own. ``polar_only / optax_contrib`` is the
+ratio muon_optax would reach if everything but its polar iteration were free.
 
     PYTHONPATH=. python benchmarks/overhead.py --reps 30
     PYTHONPATH=. python benchmarks/overhead.py --n-embd 512 --n-layer 8 --reps 10
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 
 import jax
 import numpy as np
@@ -68,10 +70,18 @@ def main(argv=None) -> None:
         "optax_contrib": st.JaxContender(optax_contrib_muon(params), params, grads, dev),
         "muon_optax": st.JaxContender(tx, params, grads, dev),
         "polar_only": PolarOnly(stacks, groups["matrix"].get("polar_method", "auto")),
+        "no_polar": st.JaxContender(muon_optax.muon_adamw(groups, nanochat_labels(params)),
+                                    params, grads, dev),
     }
-    for c in contenders.values():
+    # `muon_optax.muon` the module (the package exports the function of that name).
+    muon_module = sys.modules["muon_optax.muon"]
+    polar = muon_module.polar_express_stack
+    for name, c in contenders.items():
+        if name == "no_polar":  # traced at compile time: swap the iteration out for it
+            muon_module.polar_express_stack = lambda x, ns_steps, method: x * 1.0001
         if hasattr(c, "compile"):
             c.compile()
+        muon_module.polar_express_stack = polar
         for _ in range(3):
             c()
     load = os.getloadavg()
