@@ -9,6 +9,11 @@ the polar iteration replaced by one elementwise pass (``x * 1.0001``, so the dat
 stays), i.e. what everything else costs on its own. ``polar_only / optax_contrib`` is the
 ratio muon_optax would reach if everything but its polar iteration were free.
 
+``no_transposes`` is muon_optax on a what-if model whose MLP ``c_proj`` kernels are laid
+out ``(d, 4d)`` like ``c_fc`` (same shapes, FLOPs and stacks): every matrix is then stored
+as laid out, so it shows what the transposes of ``c_proj`` into and out of the MLP stack
+cost.
+
     PYTHONPATH=. python benchmarks/overhead.py --reps 30
     PYTHONPATH=. python benchmarks/overhead.py --n-embd 512 --n-layer 8 --reps 10
 """
@@ -52,6 +57,14 @@ class PolarOnly:
         jax.block_until_ready(self.run(self.xs))
 
 
+def _mlp_proj_transposed(tree):
+    """The MLP ``c_proj`` kernels ``(4d, d)`` transposed to ``(d, 4d)``; the rest as is."""
+    def fix(path, x):
+        name = jax.tree_util.keystr(path)
+        return np.ascontiguousarray(x.T) if "mlp" in name and "c_proj" in name else x
+    return jax.tree_util.tree_map_with_path(fix, tree)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=30)
@@ -72,6 +85,9 @@ def main(argv=None) -> None:
         "polar_only": PolarOnly(stacks, groups["matrix"].get("polar_method", "auto")),
         "no_polar": st.JaxContender(muon_optax.muon_adamw(groups, nanochat_labels(params)),
                                     params, grads, dev),
+        "no_transposes": st.JaxContender(muon_optax.muon_adamw(groups, nanochat_labels(params)),
+                                         _mlp_proj_transposed(params),
+                                         _mlp_proj_transposed(grads), dev),
     }
     # `muon_optax.muon` the module (the package exports the function of that name).
     muon_module = sys.modules["muon_optax.muon"]
