@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
 import jax
 import numpy as np
@@ -89,15 +88,12 @@ def main(argv=None) -> None:
                                          _mlp_proj_transposed(params),
                                          _mlp_proj_transposed(grads), dev),
     }
-    # `muon_optax.muon` the module (the package exports the function of that name).
-    muon_module = sys.modules["muon_optax.muon"]
-    polar = muon_module.polar_express_stack
     for name, c in contenders.items():
-        if name == "no_polar":  # traced at compile time: swap the iteration out for it
-            muon_module.polar_express_stack = lambda x, ns_steps, method: x * 1.0001
-        if hasattr(c, "compile"):
+        if name == "no_polar":
+            with st.polar_swapped_out():
+                c.compile()
+        elif hasattr(c, "compile"):
             c.compile()
-        muon_module.polar_express_stack = polar
         for _ in range(3):
             c()
     load = os.getloadavg()
