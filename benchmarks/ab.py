@@ -13,11 +13,16 @@ change does not alter results).
 
     PYTHONPATH=. python benchmarks/ab.py f6a439a --reps 40
     PYTHONPATH=. python benchmarks/ab.py f6a439a --n-embd 512 --n-layer 8 --reps 16
+
+``--no-polar`` compiles both library steps with the polar iteration swapped out
+(``step_time.polar_swapped_out``): for changes to everything around it, whose few
+milliseconds would drown in the iteration's noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
@@ -65,6 +70,8 @@ def main(argv=None) -> None:
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--no-polar", action="store_true",
+                    help="both library steps with the polar iteration swapped out")
     args = ap.parse_args(argv)
 
     dev = jax.devices("cpu")[0]
@@ -79,8 +86,11 @@ def main(argv=None) -> None:
                                             grads, dev),
             args.commit: st.JaxContender(old.muon_adamw(groups, labels), params, grads, dev),
         }
-        for c in contenders.values():
-            c.compile()
+        for name, c in contenders.items():
+            package = {"working_tree": "muon_optax", args.commit: old.__name__}.get(name)
+            with (st.polar_swapped_out(package) if args.no_polar and package
+                  else contextlib.nullcontext()):
+                c.compile()
             for _ in range(args.warmup):
                 c()
     new_p = jax.tree.leaves(contenders["working_tree"].params)
@@ -89,7 +99,8 @@ def main(argv=None) -> None:
                for a, b in zip(new_p, old_p))
     load = os.getloadavg()
     times = st.time_interleaved(contenders, args.reps)
-    print(f"# d{args.n_embd} x {args.n_layer}, {args.reps} rounds; load average "
+    print(f"# d{args.n_embd} x {args.n_layer}{' (no polar)' if args.no_polar else ''}, "
+          f"{args.reps} rounds; load average "
           f"{load[0]:.1f} before, {os.getloadavg()[0]:.1f} after; params after "
           f"{args.warmup} warm-up steps differ by at most {diff:.2e}")
     print(f"| contender | temp MiB | median ms | /optax_contrib | /{args.commit} |")

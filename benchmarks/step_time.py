@@ -164,13 +164,14 @@ class JaxContender:
 
 
 @contextlib.contextmanager
-def polar_swapped_out():
-    """Within: muon_optax traces one elementwise pass (``x * 1.0001``) for the polar iteration.
+def polar_swapped_out(package: str = "muon_optax"):
+    """Within: ``package`` traces one elementwise pass (``x * 1.0001``) for the polar iteration.
 
     For benchmarks that time everything but the iteration: compile inside, run after (a
-    compiled :class:`JaxContender` keeps the program it compiled).
+    compiled :class:`JaxContender` keeps the program it compiled). ``package``: another
+    copy of the library, such as ``ab.py``'s older commit.
     """
-    module = sys.modules["muon_optax.muon"]  # the package exports a function named `muon`
+    module = sys.modules[f"{package}.muon"]  # the package exports a function named `muon`
     polar = module.polar_express_stack
     module.polar_express_stack = lambda x, ns_steps, method: x * 1.0001
     try:
