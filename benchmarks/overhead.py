@@ -82,10 +82,8 @@ def main(argv=None) -> None:
         "optax_contrib": st.JaxContender(optax_contrib_muon(params), params, grads, dev),
         "muon_optax": st.JaxContender(tx, params, grads, dev),
         "polar_only": PolarOnly(stacks, groups["matrix"].get("polar_method", "auto")),
-        "no_polar": st.JaxContender(muon_optax.muon_adamw(groups, nanochat_labels(params)),
-                                    params, grads, dev),
-        "no_transposes": st.JaxContender(muon_optax.muon_adamw(groups, nanochat_labels(params)),
-                                         _mlp_proj_transposed(params),
+        "no_polar": st.JaxContender(tx, params, grads, dev),  # compiled without it, below
+        "no_transposes": st.JaxContender(tx, _mlp_proj_transposed(params),
                                          _mlp_proj_transposed(grads), dev),
     }
     for name, c in contenders.items():
