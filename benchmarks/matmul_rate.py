@@ -1,0 +1,120 @@
+"""Is XLA:CPU's matmul the bottleneck? Its 2-D float32 rate beside NumPy's BLAS.
+
+The polar iteration is almost all matmuls on a handful of shapes (``r x r x r`` and
+``r x r x 4r`` for the model widths the benchmarks use). This times a jitted ``x @ y``
+and ``numpy.matmul`` on the same float32 operands and prints GFLOP/s from the median
+call. Every XLA shape is timed before NumPy runs at all: OpenBLAS's worker threads spin
+for a while after each call, and XLA timed in between runs on a single free core (about
+half its rate, measured). So the two columns are not interleaved; run the script more
+than once on a shared machine.
+
+A single 2-D call is not how the step uses the matmul: it traces one chain per matrix
+and XLA runs two chains at once. So the second table times what a BLAS could replace,
+a whole stack's direct Polar Express iteration: the library's
+``polar_express_stack`` against the same steps in NumPy, run from the jitted program
+through ``jax.pure_callback`` (one callback per stack, matrices one after another).
+
+    PYTHONPATH=. python benchmarks/matmul_rate.py
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=. python benchmarks/matmul_rate.py   # one BLAS core
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from muon_optax import polar
+
+DEFAULT_SHAPES = "256x256x256,512x512x512,512x2048x512,512x512x2048,1024x1024x1024"
+
+
+def median_s(run: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``reps`` calls, after two untimed ones."""
+    run(), run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def operands(m: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((m, k), dtype=np.float32),
+            rng.standard_normal((k, n), dtype=np.float32))
+
+
+def numpy_polar(x: np.ndarray) -> np.ndarray:
+    """The direct Polar Express steps, per matrix, in NumPy (its BLAS does the matmuls)."""
+    out = np.empty_like(x)
+    for i, m in enumerate(np.asarray(x)):
+        for a, b, c in polar.POLAR_EXPRESS_COEFFS:
+            gram = m @ m.T
+            poly = b * gram + c * (gram @ gram)
+            poly[np.diag_indices_from(poly)] += a
+            m = poly @ m
+        out[i] = m
+    return out
+
+
+def stack_times(shape: tuple[int, ...], reps: int) -> tuple[float, float, float]:
+    """Median ms of the library's stack iteration and of NumPy's through a callback."""
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    x = jnp.asarray(x / (1.01 * np.linalg.norm(x, axis=(1, 2), keepdims=True)))
+    library = jax.jit(lambda x: polar.polar_express_stack(x, 5, "direct"))
+    blas = jax.jit(lambda x: jax.pure_callback(
+        numpy_polar, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+    diff = float(jnp.max(jnp.abs(library(x) - blas(x))))
+    lib_s, blas_s = (median_s(lambda f=f: f(x).block_until_ready(), reps)
+                     for f in (library, blas))
+    return 1e3 * lib_s, 1e3 * blas_s, diff
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN")
+    ap.add_argument("--reps", type=int, default=30, help="timed calls per shape")
+    ap.add_argument("--stacks", default="16x256,32x512",
+                    help="square stacks KxN for the second table ('' to skip)")
+    ap.add_argument("--stack-reps", type=int, default=8)
+    args = ap.parse_args(argv)
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+
+    xla = {}
+    for m, k, n in shapes:
+        a, b = (jnp.asarray(x) for x in operands(m, k, n))
+        fn = jax.jit(jnp.matmul).lower(a, b).compile()
+        xla[m, k, n] = 2 * m * k * n / median_s(
+            lambda: fn(a, b).block_until_ready(), args.reps) / 1e9  # noqa: B023
+    blas = {}
+    for m, k, n in shapes:
+        a, b = operands(m, k, n)
+        blas[m, k, n] = 2 * m * k * n / median_s(
+            lambda: np.matmul(a, b), args.reps) / 1e9  # noqa: B023
+
+    print("| (m, k) @ (k, n) | XLA GFLOP/s | NumPy GFLOP/s | XLA / NumPy |")
+    print("|---|---:|---:|---:|")
+    for m, k, n in shapes:
+        x, y = xla[m, k, n], blas[m, k, n]
+        print(f"| ({m}, {k}) @ ({k}, {n}) | {x:.1f} | {y:.1f} | {x / y:.2f} |")
+
+    if not args.stacks:
+        return
+    print("\n| square stack | library ms | NumPy via pure_callback ms | library / NumPy | "
+          "max abs difference |")
+    print("|---|---:|---:|---:|---:|")
+    for spec in args.stacks.split(","):
+        k, n = (int(d) for d in spec.split("x"))
+        lib, blas, diff = stack_times((k, n, n), args.stack_reps)
+        print(f"| ({k}, {n}, {n}) | {lib:.1f} | {blas:.1f} | {lib / blas:.2f} | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
