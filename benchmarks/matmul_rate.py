@@ -21,28 +21,17 @@ through ``jax.pure_callback`` (one callback per stack, matrices one after anothe
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax import polar
+from benchmarks.params import basin_scaled, numpy_polar_express
+from benchmarks.step_time import median_ms
+from muon_optax.polar import polar_express_stack
 
 DEFAULT_SHAPES = "256x256x256,512x512x512,512x2048x512,512x512x2048,1024x1024x1024"
-
-
-def median_s(run: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``reps`` calls, after two untimed ones."""
-    run(), run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def operands(m: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -51,30 +40,20 @@ def operands(m: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
             rng.standard_normal((k, n), dtype=np.float32))
 
 
-def numpy_polar(x: np.ndarray) -> np.ndarray:
-    """The direct Polar Express steps, per matrix, in NumPy (its BLAS does the matmuls)."""
-    out = np.empty_like(x)
-    for i, m in enumerate(np.asarray(x)):
-        for a, b, c in polar.POLAR_EXPRESS_COEFFS:
-            gram = m @ m.T
-            poly = b * gram + c * (gram @ gram)
-            poly[np.diag_indices_from(poly)] += a
-            m = poly @ m
-        out[i] = m
-    return out
+def numpy_stack(x: np.ndarray) -> np.ndarray:
+    """A stack's direct Polar Express steps in NumPy, one matrix after another."""
+    return np.stack([numpy_polar_express(m) for m in np.asarray(x)])
 
 
 def stack_times(shape: tuple[int, ...], reps: int) -> tuple[float, float, float]:
     """Median ms of the library's stack iteration and of NumPy's through a callback."""
-    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-    x = jnp.asarray(x / (1.01 * np.linalg.norm(x, axis=(1, 2), keepdims=True)))
-    library = jax.jit(lambda x: polar.polar_express_stack(x, 5, "direct"))
+    x = jnp.asarray(basin_scaled(np.random.default_rng(0), shape))
+    library = jax.jit(lambda x: polar_express_stack(x, 5, "direct"))
     blas = jax.jit(lambda x: jax.pure_callback(
-        numpy_polar, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+        numpy_stack, jax.ShapeDtypeStruct(x.shape, x.dtype), x))
     diff = float(jnp.max(jnp.abs(library(x) - blas(x))))
-    lib_s, blas_s = (median_s(lambda f=f: f(x).block_until_ready(), reps)
-                     for f in (library, blas))
-    return 1e3 * lib_s, 1e3 * blas_s, diff
+    lib_ms, blas_ms = (median_ms(functools.partial(f, x), reps) for f in (library, blas))
+    return lib_ms, blas_ms, diff
 
 
 def main(argv=None) -> None:
@@ -87,17 +66,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
 
+    def gflops(matmul, a, b) -> float:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1] / median_ms(
+            functools.partial(matmul, a, b), args.reps) / 1e6
+
     xla = {}
-    for m, k, n in shapes:
-        a, b = (jnp.asarray(x) for x in operands(m, k, n))
-        fn = jax.jit(jnp.matmul).lower(a, b).compile()
-        xla[m, k, n] = 2 * m * k * n / median_s(
-            lambda: fn(a, b).block_until_ready(), args.reps) / 1e9  # noqa: B023
-    blas = {}
-    for m, k, n in shapes:
-        a, b = operands(m, k, n)
-        blas[m, k, n] = 2 * m * k * n / median_s(
-            lambda: np.matmul(a, b), args.reps) / 1e9  # noqa: B023
+    for shape in shapes:
+        a, b = (jnp.asarray(x) for x in operands(*shape))
+        xla[shape] = gflops(jax.jit(jnp.matmul).lower(a, b).compile(), a, b)
+    blas = {shape: gflops(np.matmul, *operands(*shape)) for shape in shapes}
 
     print("| (m, k) @ (k, n) | XLA GFLOP/s | NumPy GFLOP/s | XLA / NumPy |")
     print("|---|---:|---:|---:|")

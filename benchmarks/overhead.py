@@ -30,6 +30,7 @@ import numpy as np
 import muon_optax
 from benchmarks import step_time as st
 from benchmarks.params import (
+    basin_scaled,
     nanochat_groups,
     nanochat_labels,
     nanochat_params,
@@ -44,11 +45,7 @@ class PolarOnly:
 
     def __init__(self, stacks: list[tuple[int, int, int]], method: str):
         rng = np.random.default_rng(0)
-        xs = []
-        for k, r, c in stacks:
-            x = rng.standard_normal((k, r, c), dtype=np.float32)
-            xs.append(x / (1.01 * np.linalg.norm(x, axis=(1, 2), keepdims=True)))
-        self.xs = jax.device_put(xs)
+        self.xs = jax.device_put([basin_scaled(rng, shape) for shape in stacks])
         fn = jax.jit(lambda xs: [polar_express_stack(x, 5, method) for x in xs])
         self.run = fn.lower(self.xs).compile()
 

@@ -210,6 +210,27 @@ def optax_contrib_muon(params: Any, *, weight_decay: float = WEIGHT_DECAY,
     )
 
 
+# ----------------------------------------------------------------------------- polar inputs
+
+def basin_scaled(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random float32 matrices ``(..., R, C)``, each scaled into the polar iteration's
+    basin (``X / (1.01 ||X||_F)``), as the step hands them to Polar Express."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    return x / (1.01 * np.linalg.norm(x, axis=(-2, -1), keepdims=True))
+
+
+def numpy_polar_express(x: np.ndarray) -> np.ndarray:
+    """The 5 direct Polar Express steps on one wide or square matrix, in NumPy and in
+    ``x``'s dtype: a float64 reference, or a BLAS contender (the a-term on the small side,
+    ``(a I + b A + c A^2) X``, as the library computes it)."""
+    for a, b, c in muon_optax.POLAR_EXPRESS_COEFFS:
+        gram = x @ x.T
+        poly = b * gram + c * (gram @ gram)
+        poly[np.diag_indices_from(poly)] += a
+        x = poly @ x
+    return x
+
+
 # ----------------------------------------------------------------------------- FLOPs
 
 def polar_flops(rows: int, cols: int, ns_steps: int = 5) -> int:

@@ -24,9 +24,7 @@ import glob
 import gzip
 import json
 import resource
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,16 +37,6 @@ from benchmarks.params import nanochat_groups, nanochat_labels, nanochat_params,
 
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def op_times(step, reps: int) -> collections.Counter:
@@ -84,7 +72,7 @@ def checks(reps: int) -> None:
     print("|---|---:|---:|")
     for name, fn, args in rows:
         f0 = _faults()
-        ms = _median_ms(lambda: fn(*args), reps)  # noqa: B023
+        ms = st.median_ms(lambda: fn(*args), reps)  # noqa: B023
         print(f"| {name} | {ms:.2f} | {(_faults() - f0) / (reps + 1):.0f} |")
 
     def into(out, xs):
@@ -100,7 +88,7 @@ def checks(reps: int) -> None:
         return state["out"]
 
     f0 = _faults()
-    ms = _median_ms(run, reps)
+    ms = st.median_ms(run, reps)
     print(f"| stack of 16 into a donated buffer | {ms:.2f} | {(_faults() - f0) / (reps + 1):.0f} |")
 
 
@@ -126,7 +114,7 @@ def main(argv=None) -> None:
         step()
 
     f0 = _faults()
-    ms = _median_ms(step, args.reps)
+    ms = st.median_ms(step, args.reps)
     per_step = (_faults() - f0) / (args.reps + 1)
     temp = step.memory["temp"] / 2**20
     print(f"# d{args.n_embd} x {args.n_layer}{' (no polar)' if args.no_polar else ''}: "

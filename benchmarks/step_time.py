@@ -310,6 +310,17 @@ def import_peer(peer_dir: str, omp_wait_policy: str = "default"):
 
 # ----------------------------------------------------------------------------- timing
 
+def median_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` (waited for), after one untimed."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def time_interleaved(contenders: dict[str, Callable[[], None]], reps: int
                      ) -> dict[str, list[float]]:
     """``reps`` rounds; each times every contender once, order rotated by one per round."""
