@@ -9,10 +9,9 @@ See the README for the mapping from nanochat's ``param_groups``.
 
 from optax.contrib import MuonDimensionNumbers
 
-from muon_optax.adamw import adamw
 from muon_optax.labels import label_by_path, path_str
-from muon_optax.muon import MuonStackState, muon
-from muon_optax.optimizer import MuonAdamWState, muon_adamw
+from muon_optax.muon import MuonStackState
+from muon_optax.optimizer import MuonAdamWState, adamw, muon, muon_adamw
 from muon_optax.polar import POLAR_EXPRESS_COEFFS, orthogonalize
 from muon_optax.sharding import state_specs
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from muon_optax.hparams import AdamWConfig, Scalar, value_at
+from muon_optax.hparams import AdamWConfig, value_at
 
 
 def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
@@ -45,30 +44,3 @@ def adamw_leaf_update(
         update = -(lr * hp["weight_decay"]) * p.astype(f32) - step
     dtype = g.dtype if p is None else p.dtype
     return update.astype(dtype), m32.astype(m.dtype), v32.astype(v.dtype)
-
-
-def adamw(
-    lr: Scalar,
-    betas: tuple[Scalar, Scalar] = (0.9, 0.999),
-    eps: Scalar = 1e-8,
-    weight_decay: Scalar = 0.0,
-) -> optax.GradientTransformation:
-    """AdamW on every leaf, with nanochat's hyperparameter names.
-
-    Usable alone or inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the
-    same arithmetic for its AdamW groups. Each scalar may be an optax schedule.
-
-    Args:
-      lr: learning rate.
-      betas: ``(b1, b2)``, the decay rates of the first and second moments.
-      eps: added to the root of the second moment.
-      weight_decay: decoupled decay, multiplied by ``lr``; needs ``params`` in ``update``.
-
-    Returns:
-      An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
-    """
-    from muon_optax.optimizer import build  # the shared engine; imported late (cycle)
-
-    cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
-    return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params))
-

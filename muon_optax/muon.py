@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from muon_optax.hparams import MuonConfig, Scalar, value_at
+from muon_optax.hparams import MuonConfig, value_at
 from muon_optax.polar import default_compute_dtype, polar_express_stack
 
 
@@ -153,53 +152,3 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
     update = -lr * o32 - (lr * weight_decay) * jnp.where(o32 * p32 >= 0, p32, 0.0)
     return update.astype(p.dtype)
-
-
-def muon(
-    lr: Scalar,
-    momentum: Scalar = 0.95,
-    ns_steps: int = 5,
-    beta2: Scalar = 0.95,
-    weight_decay: Scalar = 0.0,
-    *,
-    row_equilibration: bool = True,
-    renormalize: bool = True,
-    compute_dtype: Any = None,
-    polar_method: str = "auto",
-    dimension_numbers: Any = None,
-) -> optax.GradientTransformation:
-    """Muon on every leaf (each must have two or more axes), as nanochat computes it.
-
-    Same-shape matrices are stacked and updated by one batched program. Usable alone or
-    inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the same arithmetic
-    for its Muon groups.
-
-    Args:
-      lr: learning rate; a matrix with more rows than columns (out > in) gets
-        ``lr * sqrt(out / in)``.
-      momentum: Nesterov momentum coefficient.
-      ns_steps: Polar Express iterations, 1..5 (static).
-      beta2: decay rate of NorMuon's factored second moment.
-      weight_decay: cautious decoupled weight decay, multiplied by ``lr``.
-      row_equilibration: MuonEq row scaling before the polar iteration.
-      renormalize: Muon+ rescaling of the polar factor to Frobenius norm
-        ``sqrt(min(R, C))``.
-      compute_dtype: dtype of the polar iteration; default float32 on CPU, bfloat16 on
-        accelerators.
-      polar_method: ``"auto"`` (default) runs the last polar steps of a float32
-        rectangular matrix in Gram space where that saves FLOPs (1.3x fewer for 4:1
-        matrices; the same polynomial, rounded differently, within float32 accuracy of
-        the rule); ``"direct"`` runs every step as the rule writes it; ``"gram"``
-        forces the Gram-space form (see :func:`muon_optax.polar.polar_express`).
-      dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
-        params -> tree); default: last two axes ``(in, out)``, leading axes batch.
-
-    Returns:
-      An ``optax.GradientTransformation``; ``update`` needs ``params``.
-    """
-    from muon_optax.optimizer import build  # the shared engine; imported late (cycle)
-
-    cfg = MuonConfig.make(lr, momentum, ns_steps, beta2, weight_decay, row_equilibration,
-                          renormalize, compute_dtype, polar_method, where="muon")
-    return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
-                 dimension_numbers=dimension_numbers)

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
-from muon_optax.hparams import AdamWConfig, MuonConfig, parse_groups
+from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
 from muon_optax.labels import flat_labels, path_str
 from muon_optax.layout import Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
 from muon_optax.muon import (
@@ -342,3 +342,74 @@ def muon_adamw(
         raise TypeError("small_param_threshold must be an int (elements).")
     return build(configs, param_labels, dimension_numbers=dimension_numbers,
                  axis_name=axis_name, mesh=mesh, small_param_threshold=small_param_threshold)
+
+def muon(
+    lr: Scalar,
+    momentum: Scalar = 0.95,
+    ns_steps: int = 5,
+    beta2: Scalar = 0.95,
+    weight_decay: Scalar = 0.0,
+    *,
+    row_equilibration: bool = True,
+    renormalize: bool = True,
+    compute_dtype: Any = None,
+    polar_method: str = "auto",
+    dimension_numbers: Any = None,
+) -> optax.GradientTransformation:
+    """Muon on every leaf (each must have two or more axes), as nanochat computes it.
+
+    Same-shape matrices are stacked and updated by one batched program. Usable alone or
+    inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the same arithmetic
+    for its Muon groups.
+
+    Args:
+      lr: learning rate; a matrix with more rows than columns (out > in) gets
+        ``lr * sqrt(out / in)``.
+      momentum: Nesterov momentum coefficient.
+      ns_steps: Polar Express iterations, 1..5 (static).
+      beta2: decay rate of NorMuon's factored second moment.
+      weight_decay: cautious decoupled weight decay, multiplied by ``lr``.
+      row_equilibration: MuonEq row scaling before the polar iteration.
+      renormalize: Muon+ rescaling of the polar factor to Frobenius norm
+        ``sqrt(min(R, C))``.
+      compute_dtype: dtype of the polar iteration; default float32 on CPU, bfloat16 on
+        accelerators.
+      polar_method: ``"auto"`` (default) runs the last polar steps of a float32
+        rectangular matrix in Gram space where that saves FLOPs (1.3x fewer for 4:1
+        matrices; the same polynomial, rounded differently, within float32 accuracy of
+        the rule); ``"direct"`` runs every step as the rule writes it; ``"gram"``
+        forces the Gram-space form (see :func:`muon_optax.polar.polar_express`).
+      dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
+        params -> tree); default: last two axes ``(in, out)``, leading axes batch.
+
+    Returns:
+      An ``optax.GradientTransformation``; ``update`` needs ``params``.
+    """
+    cfg = MuonConfig.make(lr, momentum, ns_steps, beta2, weight_decay, row_equilibration,
+                          renormalize, compute_dtype, polar_method, where="muon")
+    return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
+                 dimension_numbers=dimension_numbers)
+
+
+def adamw(
+    lr: Scalar,
+    betas: tuple[Scalar, Scalar] = (0.9, 0.999),
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0.0,
+) -> optax.GradientTransformation:
+    """AdamW on every leaf, with nanochat's hyperparameter names.
+
+    Usable alone or inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the
+    same arithmetic for its AdamW groups. Each scalar may be an optax schedule.
+
+    Args:
+      lr: learning rate.
+      betas: ``(b1, b2)``, the decay rates of the first and second moments.
+      eps: added to the root of the second moment.
+      weight_decay: decoupled decay, multiplied by ``lr``; needs ``params`` in ``update``.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
+    """
+    cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
+    return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params))
