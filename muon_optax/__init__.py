@@ -9,10 +9,12 @@ See the README for the mapping from nanochat's ``param_groups``.
 
 from optax.contrib import MuonDimensionNumbers
 
+from muon_optax.engine import MuonAdamWState, MuonBuffers
 from muon_optax.labels import label_by_path, path_str
 from muon_optax.muon import MuonStackState
-from muon_optax.optimizer import MuonAdamWState, adamw, muon, muon_adamw
+from muon_optax.optimizer import adamw, muon, muon_adamw
 from muon_optax.polar import POLAR_EXPRESS_COEFFS, orthogonalize
+from muon_optax.portable import export_state, import_state
 from muon_optax.sharding import state_specs
 
 __version__ = "0.1.0"
@@ -20,9 +22,12 @@ __version__ = "0.1.0"
 __all__ = [
     "POLAR_EXPRESS_COEFFS",
     "MuonAdamWState",
+    "MuonBuffers",
     "MuonDimensionNumbers",
     "MuonStackState",
     "adamw",
+    "export_state",
+    "import_state",
     "label_by_path",
     "muon",
     "muon_adamw",

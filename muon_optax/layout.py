@@ -70,12 +70,6 @@ class MatrixLeaf:
         return self.rows > self.cols or (self.rows == self.cols and inputs_first)
 
     @property
-    def stored_perm(self) -> tuple[int, ...]:
-        """Leaf axes in stored order: batch, then stored rows, then stored columns."""
-        sides = self.in_axes + self.out_axes if self.transposed else self.out_axes + self.in_axes
-        return self.batch_axes + sides
-
-    @property
     def stored_shape(self) -> tuple[int, int]:
         return (self.cols, self.rows) if self.transposed else (self.rows, self.cols)
 
@@ -84,14 +78,57 @@ class MatrixLeaf:
         """nanochat's aspect-ratio factor ``sqrt(max(1, R / C))``."""
         return math.sqrt(max(1.0, self.rows / self.cols))
 
-    def to_stored(self, x: jax.Array) -> jax.Array:
-        """``(batch, R, C)`` stored view of a leaf-shaped array (wide or square)."""
-        # One transpose (none at all for a Flax kernel stored as laid out), then a reshape.
-        return jnp.transpose(x, self.stored_perm).reshape((self.batch,) + self.stored_shape)
+    @property
+    def matrix_axes(self) -> tuple[int, ...]:
+        """The leaf's non-batch axes, in leaf order."""
+        return tuple(sorted(self.out_axes + self.in_axes))
 
-    def from_stored(self, y: jax.Array) -> jax.Array:
-        """Inverse of :meth:`to_stored`."""
-        permuted_shape = tuple(self.shape[a] for a in self.stored_perm)
+    def split_batch(self, x: jax.Array) -> jax.Array:
+        """``(batch, *matrix axes)`` view of a leaf-shaped array, or of a block of one
+        (any sizes): batch axes first, flattened; matrix axes in leaf order."""
+        perm = self.batch_axes + self.matrix_axes
+        return jnp.transpose(x, perm).reshape((-1,) + tuple(x.shape[a] for a in
+                                                            self.matrix_axes))
+
+    def join_batch(self, y: jax.Array, shape: Sequence[int]) -> jax.Array:
+        """Inverse of :meth:`split_batch`, back to a leaf (or block) of ``shape``."""
+        perm = self.batch_axes + self.matrix_axes
+        y = y.reshape(tuple(shape[a] for a in perm))
+        return jnp.transpose(y, np.argsort(perm))
+
+    @property
+    def sides(self) -> tuple[int, ...]:
+        """Positions, among the matrix axes, of the stored rows' then columns' axes."""
+        sides = self.in_axes + self.out_axes if self.transposed else self.out_axes + self.in_axes
+        return tuple(self.matrix_axes.index(a) for a in sides)
+
+    def matrix_to_stored(self, y: jax.Array) -> jax.Array:
+        """``(n, *matrix axes)`` (whole matrices, leaf order) -> stored ``(n, R, C)``."""
+        perm = (0,) + tuple(1 + a for a in self.sides)
+        return jnp.transpose(y, perm).reshape((y.shape[0],) + self.stored_shape)
+
+    def stored_to_matrix(self, z: jax.Array) -> jax.Array:
+        """Inverse of :meth:`matrix_to_stored`."""
+        mshape = tuple(self.shape[a] for a in self.matrix_axes)
+        sides = self.sides
+        z = z.reshape((z.shape[0],) + tuple(mshape[a] for a in sides))
+        return jnp.transpose(z, (0,) + tuple(1 + a for a in np.argsort(sides)))
+
+    @property
+    def stored_perm(self) -> tuple[int, ...]:
+        """Leaf axes in stored order: batch, then stored rows, then stored columns."""
+        return self.batch_axes + tuple(self.matrix_axes[i] for i in self.sides)
+
+    def to_stored(self, x: jax.Array) -> jax.Array:
+        """``(batch, R, C)`` stored view of a leaf-shaped array, or of a block of one
+        split along its batch axes (wide or square)."""
+        # One transpose (none at all for a Flax kernel stored as laid out), then a reshape.
+        return jnp.transpose(x, self.stored_perm).reshape((-1,) + self.stored_shape)
+
+    def from_stored(self, y: jax.Array, shape: Sequence[int] | None = None) -> jax.Array:
+        """Inverse of :meth:`to_stored`, to the leaf (or a batch block of ``shape``)."""
+        shape = self.shape if shape is None else shape
+        permuted_shape = tuple(shape[a] for a in self.stored_perm)
         return jnp.transpose(y.reshape(permuted_shape), np.argsort(self.stored_perm))
 
 
@@ -142,9 +179,9 @@ def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
 class Stack:
     """Matrices updated by one batched program: same stored shape, dtype and options.
 
-    ``members`` are in stack order; the stack is zero-padded to ``padded`` slots (a
-    multiple of the device count) and device ``d`` owns slots ``[d*per_device,
-    (d+1)*per_device)``.
+    The stack's matrices are its members' matrices in member order (a leaf with batch
+    axes contributes ``batch`` of them, in row-major batch order); :mod:`muon_optax.plan`
+    decides which device owns each.
     """
 
     rows: int
@@ -152,7 +189,6 @@ class Stack:
     dtype: Any
     config: Any                 # the MuonConfig whose static options the stack runs with
     members: tuple[MatrixLeaf, ...]
-    padded: int
 
     @property
     def size(self) -> int:
@@ -163,21 +199,17 @@ class Stack:
         """NorMuon's averaging axis is the stored rows (see ``muon.normuon_axis``)."""
         return self.rows < self.cols or self.members[0].transposed
 
-    def slot_values(self, fn) -> np.ndarray:
-        """``fn(member)`` for every slot, padding slots repeating the first member."""
-        vals = [fn(m) for m in self.members for _ in range(m.batch)]
-        return np.asarray(vals + vals[:1] * (self.padded - len(vals)))
+    def matrices(self) -> list[tuple[int, int]]:
+        """``(member, batch index)`` of every matrix, in stack order."""
+        return [(i, b) for i, m in enumerate(self.members) for b in range(m.batch)]
 
     def stack(self, leaves: Sequence[jax.Array]) -> jax.Array:
-        """Stacks the members' leaves (in member order), zero-padded, as ``(padded, R, C)``."""
+        """Stacks the members' leaves (in member order) as ``(K, R, C)``."""
         parts = [m.to_stored(x) for m, x in zip(self.members, leaves)]
-        if self.padded > self.size:
-            parts.append(jnp.zeros((self.padded - self.size, self.rows, self.cols),
-                                   parts[0].dtype))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def unstack(self, stacked: jax.Array) -> list[jax.Array]:
-        """Members' leaf-shaped arrays from a ``(padded, R, C)`` stack; padding dropped."""
+        """Members' leaf-shaped arrays from a ``(K, R, C)`` stack."""
         out, offset = [], 0
         for m in self.members:
             out.append(m.from_stored(stacked[offset:offset + m.batch]))
@@ -186,21 +218,22 @@ class Stack:
 
 
 def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],
-                num_devices: int) -> tuple[Stack, ...]:
-    """Groups Muon matrices into stacks, in first-seen order, each padded for the mesh."""
+                signature=lambda leaf: None) -> tuple[Stack, ...]:
+    """Groups Muon matrices into stacks, in first-seen order.
+
+    ``signature(leaf)`` adds what else two leaves must share to be batched together
+    (how they travel between devices, see :mod:`muon_optax.plan`).
+    """
     buckets: dict[tuple, list[MatrixLeaf]] = {}
     for leaf in leaves:
         # Squares of both layouts do not share a stack: NorMuon's axis depends on it.
         square_layout = leaf.transposed if leaf.rows == leaf.cols else None
         key = leaf.stored_shape + (str(leaf.dtype), square_layout,
-                                   configs[leaf.group].static_key())
+                                   configs[leaf.group].static_key(), signature(leaf))
         buckets.setdefault(key, []).append(leaf)
     stacks = []
     for members in buckets.values():
-        k = sum(m.batch for m in members)
-        padded = -(-k // num_devices) * num_devices
         rows, cols = members[0].stored_shape
         stacks.append(Stack(rows=rows, cols=cols, dtype=members[0].dtype,
-                            config=configs[members[0].group], members=tuple(members),
-                            padded=padded))
+                            config=configs[members[0].group], members=tuple(members)))
     return tuple(stacks)

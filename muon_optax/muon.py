@@ -87,35 +87,39 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
     return jnp.where(transposed[:, None, None], factor(-2), factor(-1))
 
 
-def muon_direction(
-    g: jax.Array,
-    state: MuonStackState,
+def momentum_update(g: jax.Array, buf: jax.Array, momentum: jax.Array) -> jax.Array:
+    """Step 1a: ``buf = lerp(buf, G, 1 - momentum)``, stored in the buffer's dtype."""
+    f32 = jnp.float32
+    g32, buf32 = g.astype(f32), buf.astype(f32)
+    return (buf32 + (1 - momentum) * (g32 - buf32)).astype(buf.dtype)
+
+
+def nesterov_input(g: jax.Array, buf: jax.Array, momentum: jax.Array) -> jax.Array:
+    """Step 1b: ``U = lerp(G, buf, momentum)`` in float32, from the stored new buffer
+    (as nanochat reads it back after its in-place update)."""
+    g32 = g.astype(jnp.float32)
+    return g32 + momentum * (buf.astype(jnp.float32) - g32)
+
+
+def normalized_direction(
+    u: jax.Array,
+    second_moment: jax.Array,
     *,
-    momentum: jax.Array,
     beta2: jax.Array,
     transposed: bool | jax.Array,
     cfg: MuonConfig,
-) -> tuple[jax.Array, MuonStackState]:
-    """Steps 1-7 of Muon on a stored stack: the direction ``O`` and the new state.
-
-    ``g`` is ``(K, R, C)`` with ``R <= C``, in the parameter dtype, which ``O`` and the
-    state keep. ``momentum`` and ``beta2`` are scalars or per-matrix ``(K, 1, 1)``
-    arrays. ``transposed`` says whether a matrix's own rows are the stored columns (a
-    bool for the whole stack, or a ``(K,)`` array). Zero padding stays exactly zero.
+    dtype: Any,
+) -> tuple[jax.Array, jax.Array]:
+    """Steps 2-7 on a stored stack ``U`` (float32): the direction ``O`` (in ``dtype``, the
+    parameter dtype) and the new NorMuon second moment.
 
     Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
     column, so each side of the polar iteration is one pass of statistics and one
     multiply.
     """
     f32 = jnp.float32
-    rows, cols = g.shape[-2:]
-    dtype = state.momentum.dtype
+    rows, cols = u.shape[-2:]
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
-
-    g32, buf32 = g.astype(f32), state.momentum.astype(f32)
-    buf32 = buf32 + (1 - momentum) * (g32 - buf32)
-    u = g32 + momentum * (buf32 - g32)
-
     x = u.astype(compute_dtype)
     x = (x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration))
     o = polar_express_stack(x.astype(compute_dtype), cfg.ns_steps, cfg.polar_method)
@@ -133,12 +137,36 @@ def muon_direction(
         r = jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6)
         v = v * (r * r)
     v_norm = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)
-    s = state.second_moment.astype(f32)
-    s = (s + (1 - beta2) * (v - s)).astype(dtype)
+    s = second_moment.astype(f32)
+    s = (s + (1 - beta2) * (v - s)).astype(second_moment.dtype)
     step = jax.lax.rsqrt(jnp.maximum(s.astype(f32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v * n * step * step, axis=(-2, -1), keepdims=True))
     o = o * (r * step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
-    return o.astype(dtype), MuonStackState(buf32.astype(dtype), s)
+    return o.astype(dtype), s
+
+
+def muon_direction(
+    g: jax.Array,
+    state: MuonStackState,
+    *,
+    momentum: jax.Array,
+    beta2: jax.Array,
+    transposed: bool | jax.Array,
+    cfg: MuonConfig,
+) -> tuple[jax.Array, MuonStackState]:
+    """Steps 1-7 of Muon on a stored stack: the direction ``O`` and the new state.
+
+    ``g`` is ``(K, R, C)`` with ``R <= C``, in the parameter dtype, which ``O`` and the
+    state keep. ``momentum`` and ``beta2`` are scalars or per-matrix ``(K, 1, 1)``
+    arrays. ``transposed`` says whether a matrix's own rows are the stored columns (a
+    bool for the whole stack, or a ``(K,)`` array). Zero padding stays exactly zero.
+    (The engine runs the two halves itself, to write the momentum back early.)
+    """
+    buf = momentum_update(g, state.momentum, momentum)
+    u = nesterov_input(g, buf, momentum)
+    o, s = normalized_direction(u, state.second_moment, beta2=beta2, transposed=transposed,
+                                cfg=cfg, dtype=state.momentum.dtype)
+    return o, MuonStackState(buf, s)
 
 
 def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,

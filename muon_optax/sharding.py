@@ -1,13 +1,11 @@
-"""ZeRO-2 along one mesh axis: who owns what, and the collectives that move it.
+"""The owner axes, the collectives that move data along them, and leaf layouts.
 
 nanochat's ``DistMuonAdamW`` shards the optimizer without DDP: reduce-scatter the
 gradients, update only the owned share with state for only that share, all-gather the
-result. Inside ``jax.shard_map`` the same program runs on every device, so ownership is
-by position: device ``d`` owns slots ``[d*S, (d+1)*S)`` of every Muon stack (stacks are
-zero-padded to a multiple of N) and the ``d``-th slice of every large AdamW parameter
-along one axis (padded when no axis divides). Stacks merge all groups and both
-orientations of a shape (see :mod:`muon_optax.layout`), so padding, the only source of
-imbalance, is paid once per stored shape instead of once per group and shape.
+result. Here the owner axes are one mesh axis or several (``axis_name="data"`` or
+``("data", "model")``); their ``N`` devices are numbered row-major, first axis major,
+as ``jax.lax.axis_index`` numbers them. :mod:`muon_optax.plan` decides who owns what;
+this module holds the collectives, and reads how the user laid out each parameter.
 
 With ``axis_name=None`` the same code runs with N = 1 and every collective is the
 identity: the single-device optimizer is the sharded one on one device.
@@ -16,6 +14,7 @@ identity: the single-device optimizer is the sharded one on one device.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,42 +22,80 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-try:  # Varying -> Invariant all-gather: lets out_specs=P() hold under check_vma.
-    from jax.lax import all_gather_invariant as _gather_invariant
-except ImportError:
+Spec = tuple[tuple[str, ...], ...]
+"""A leaf's layout: for each of its axes, the mesh axes it is split over (major first)."""
+
+
+def owner_axes(axis_name: Any) -> tuple[str, ...] | None:
+    """``axis_name`` as a tuple of mesh axis names (None stays None)."""
+    if axis_name is None:
+        return None
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not names or not all(isinstance(a, str) for a in names) or len(set(names)) < len(names):
+        raise TypeError(f"axis_name must be a mesh axis name or a tuple of distinct names, "
+                        f"got {axis_name!r}.")
+    return names
+
+
+def _gather(x: jax.Array, axes: tuple[str, ...], axis: int) -> jax.Array:
+    """All-gather marked invariant (every device holds the same value), so that a train
+    step may return it with ``out_specs=P()``."""
     try:
-        from jax._src.lax.parallel import all_gather_invariant as _gather_invariant
-    except ImportError:  # older jax: plain all_gather (then shard_map needs check_vma=False)
-        _gather_invariant = jax.lax.all_gather
+        return jax.lax.all_gather(x, axes, axis=axis, tiled=True, to="invarying")
+    except TypeError:  # jax before 0.10.2: no `to=`
+        from jax._src.lax.parallel import all_gather_invariant
+
+        return all_gather_invariant(x, axes, axis=axis, tiled=True)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes along which ``x`` may differ between devices (its type's vma)."""
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(t, "vma", ()))
 
 
 class Collectives:
-    """Mean-reduce, scatter and gather along ``axis_name`` (identity when it is None)."""
+    """Mean-reduce, scatter, gather and exchange along the owner axes.
 
-    def __init__(self, axis_name: str | None, grads_reduced: bool = False):
-        self.axis_name = axis_name
+    ``grads_reduced``: the gradients arrive already averaged (plain ``jax.jit``, where
+    XLA reduced them in the backward pass): then "reduce" means "take my share".
+    """
+
+    def __init__(self, axes: tuple[str, ...] | None, grads_reduced: bool = False,
+                 where: str = "muon_adamw"):
+        self.axes = axes
         try:
-            self.size = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+            self.size = 1 if axes is None else math.prod(jax.lax.axis_size(a) for a in axes)
         except NameError as e:
             raise ValueError(
-                f"this transformation shards over the mesh axis {axis_name!r}: call its init "
-                f"and update inside jax.shard_map over a mesh with that axis, or build it "
-                f"with mesh=... (plain jit) or without axis_name (one device).") from e
+                f"{where}: this transformation shards over the mesh axes {axes}: call its "
+                f"init and update inside jax.shard_map over a mesh with those axes, or build "
+                f"it with mesh=... (plain jit) or without axis_name (one device).") from e
         # On a one-device axis the collectives still run: they turn the per-device
         # ("varying") gradients into replicated values (single-participant ops).
-        self.active = axis_name is not None
-        # Under plain jit the gradients arrive already averaged (XLA reduced them in
-        # the backward pass): then "reduce" means "take my share".
+        self.active = axes is not None
         self.grads_reduced = grads_reduced
 
     def index(self) -> jax.Array | int:
-        return 0 if self.size == 1 else jax.lax.axis_index(self.axis_name)
+        return 0 if self.size == 1 else jax.lax.axis_index(self.axes)
+
+    def pick(self, table: np.ndarray) -> int | jax.Array | np.ndarray:
+        """``table[me]`` for a static table indexed by device: a constant when every
+        device has the same entry."""
+        table = np.asarray(table)
+        if (table == table[:1]).all():
+            row = table[0]
+            return int(row) if row.ndim == 0 else row
+        return jnp.asarray(table)[self.index()]
 
     def mean(self, x: jax.Array) -> jax.Array:
         """All-reduce (mean): the small params' gradients."""
         if not self.active or self.grads_reduced:
             return x
-        return (jax.lax.psum(x, self.axis_name) / self.size).astype(x.dtype)
+        return (jax.lax.psum(x, self.axes) / self.size).astype(x.dtype)
 
     def mean_scatter(self, x: jax.Array, axis: int) -> jax.Array:
         """Reduce-scatter (mean): this device's 1/N of ``x`` along ``axis``."""
@@ -66,18 +103,19 @@ class Collectives:
             return x
         if self.grads_reduced:
             return self.local(x, axis)
-        y = jax.lax.psum_scatter(x, self.axis_name, scatter_dimension=axis, tiled=True)
+        y = jax.lax.psum_scatter(x, self.axes, scatter_dimension=axis, tiled=True)
         return (y / self.size).astype(x.dtype)
 
     def gather(self, x: jax.Array, axis: int) -> jax.Array:
-        """All-gather: the devices' slices concatenated along ``axis``, the same everywhere.
+        """All-gather: the devices' slices concatenated along ``axis``, the same everywhere."""
+        return x if not self.active else _gather(x, self.axes, axis)
 
-        The result is marked invariant along the axis (every device holds the same
-        value), so a train step may return the params with ``out_specs=P()``.
-        """
-        if not self.active:
+    def exchange(self, x: jax.Array) -> jax.Array:
+        """All-to-all of ``(N, L)``: row ``d`` goes to device ``d``; row ``s`` of the
+        result came from device ``s``."""
+        if self.size == 1:
             return x
-        return _gather_invariant(x, self.axis_name, axis=axis, tiled=True)
+        return jax.lax.all_to_all(x, self.axes, 0, 0, tiled=True)
 
     def local(self, x: jax.Array | np.ndarray, axis: int = 0) -> jax.Array:
         """This device's 1/N slice of a replicated array along ``axis`` (no communication)."""
@@ -87,17 +125,26 @@ class Collectives:
         return jax.lax.dynamic_slice_in_dim(jnp.asarray(x), self.index() * n, n, axis)
 
 
+# ------------------------------------------------------------------ AdamW split axis
+
+# A large AdamW parameter is split along its leading axis unless that needs more than
+# this fraction of padding: splitting a minor axis makes XLA transpose the gradient,
+# the parameter and both moments every step (BENCHMARKS.md), to save a few rows.
+LEADING_AXIS_MAX_PADDING = 1 / 32
+
+
 def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -> int | None:
     """The axis along which a large AdamW parameter is split, or None (replicated).
 
     Parameters under ``threshold`` elements are all-reduced and updated everywhere.
-    Otherwise the axis that needs the least zero padding to a multiple of N, the leading
-    one among equals: a split of the leading axis is a contiguous slice, where a minor
-    axis would make XLA transpose the whole gradient first.
+    Otherwise the leading axis, if padding it to a multiple of N adds at most
+    ``LEADING_AXIS_MAX_PADDING`` of its length; else the axis with the least padding.
     """
     if math.prod(shape) < threshold or not shape:
         return None
     padding = [-(-n // num_devices) * num_devices - n for n in shape]
+    if padding[0] <= LEADING_AXIS_MAX_PADDING * shape[0]:
+        return 0
     return min(range(len(shape)), key=lambda a: (padding[a] * math.prod(shape) // shape[a], a))
 
 
@@ -115,11 +162,72 @@ def pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
 
 
-def spec(axis: int | None, axis_name: str | None) -> P:
-    """PartitionSpec of an array split along ``axis`` over ``axis_name`` (None: replicated)."""
-    if axis is None or axis_name is None:
+# ------------------------------------------------------------------ leaf layouts
+
+
+def split_spec(axis: int | None, axes: tuple[str, ...] | None) -> P:
+    """PartitionSpec of an array split along ``axis`` over the owner axes."""
+    if axis is None or axes is None:
         return P()
-    return P(*([None] * axis), axis_name)
+    return P(*([None] * axis), axes[0] if len(axes) == 1 else axes)
+
+
+def to_partition_spec(spec: Spec) -> P:
+    """A normalized leaf layout as a ``PartitionSpec``."""
+    return P(*[None if not a else a[0] if len(a) == 1 else a for a in spec])
+
+
+def normalize_spec(spec: Any, ndim: int, path: str) -> Spec:
+    """``PartitionSpec`` (or ``NamedSharding``) -> one tuple of mesh axes per leaf axis."""
+    spec = getattr(spec, "spec", spec)
+    if spec is None:
+        spec = P()
+    if not isinstance(spec, P):
+        raise TypeError(f"parameter {path!r}: param_specs must hold PartitionSpecs or "
+                        f"NamedShardings, got {spec!r}.")
+    entries = list(spec) + [None] * (ndim - len(spec))
+    if len(entries) > ndim:
+        raise ValueError(f"parameter {path!r} has {ndim} axes but its PartitionSpec {spec} "
+                         f"names {len(spec)}.")
+    out = []
+    for e in entries:
+        if e is None or e is P.UNCONSTRAINED:
+            out.append(())
+        else:
+            out.append((e,) if isinstance(e, str) else tuple(e))
+    return tuple(out)
+
+
+def typed_spec(x: Any, path: str) -> Spec | None:
+    """The layout in ``x``'s type, if its mesh axes are Explicit (else None: unknown)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return None
+    explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types)
+                if t == jax.sharding.AxisType.Explicit}
+    if not explicit:
+        return None
+    return normalize_spec(sharding.spec, len(x.shape), path)
+
+
+def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int], path: str,
+               axes: tuple[str, ...]) -> None:
+    """A layout the mesh can hold: known axes, used once, dividing the axis lengths."""
+    used = [a for entry in spec for a in entry]
+    unknown = [a for a in used if a not in mesh_shape]
+    if unknown:
+        raise ValueError(f"parameter {path!r} is laid out over mesh axis {unknown[0]!r}, which "
+                         f"the mesh (axes {tuple(mesh_shape)}) does not have: place the params "
+                         f"on the mesh given as mesh=.")
+    if len(set(used)) < len(used):
+        raise ValueError(f"parameter {path!r}: a mesh axis appears twice in its layout {spec}.")
+    for n, entry in zip(shape, spec):
+        g = math.prod(mesh_shape[a] for a in entry)
+        if n % g:
+            raise ValueError(f"parameter {path!r}: an axis of length {n} is split over {entry} "
+                             f"({g} devices), which does not divide it.")
+    del axes
 
 
 def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -127,7 +235,7 @@ def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
 
     ``tx`` is a transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``)
     built with an ``axis_name``; ``params`` the full params (arrays or shape structs).
-    Sharded leaves get ``P(axis_name)`` on their split axis, the rest ``P()``::
+    Sharded leaves get the owner axes on their split axis, the rest ``P()``::
 
         specs = muon_optax.state_specs(tx, params, mesh)
         state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),

@@ -1,0 +1,575 @@
+"""The engine behind every constructor: one optax transformation for any groups.
+
+The data flow of one step (everything but the arithmetic is decided at trace time, in
+:mod:`muon_optax.plan`):
+
+    grads, params
+      -> AdamW leaves: one fused elementwise update each (float32 math), where they lie
+      -> Muon matrices: moved to their owners (:mod:`muon_optax.transport`), stacked by
+         stored shape; each stack's owned slots run one batched Muon program
+         (:func:`muon_optax.muon.muon_direction`), state read and written in place in
+         this device's flat state buffer; directions moved back
+      -> cautious update per leaf, in the leaf's own layout
+      -> updates (P_new - P), new state
+
+Three forms share this code. One device: ``axis_name=None``. ZeRO-2 inside the user's
+``jax.shard_map`` (``axis_name``): params whole everywhere, per-device gradients
+reduce-scattered by the optimizer. Plain ``jax.jit`` (``axis_name`` and ``mesh``): the
+engine runs its own ``shard_map`` over the params' own layouts (FSDP, tensor parallel,
+2-D meshes, or replicated), gradients already reduced by XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from muon_optax.adamw import adamw_hparams, adamw_leaf_update
+from muon_optax.hparams import AdamWConfig, MuonConfig
+from muon_optax.muon import (
+    MuonStackState,
+    cautious_update,
+    momentum_update,
+    muon_direction,
+    muon_hparams,
+    nesterov_input,
+    normalized_direction,
+)
+from muon_optax.plan import StackPlan, TreePlan, make_tree_plan
+from muon_optax.polar import after
+from muon_optax.sharding import (
+    Collectives,
+    check_spec,
+    normalize_spec,
+    pad_to,
+    split_spec,
+    to_partition_spec,
+    typed_spec,
+    varying_axes,
+)
+from muon_optax.transport import Transports
+
+
+class MuonBuffers(NamedTuple):
+    """The Muon state of the matrices of one dtype, as ``(N, L)`` arrays split over the
+    owner axes: row ``d`` is device ``d``'s share, the momenta (resp. NorMuon second
+    moments) of the matrices it owns, back to back, stack by stack."""
+
+    momentum: jax.Array
+    second_moment: jax.Array
+
+
+class MuonAdamWState(NamedTuple):
+    """State of :func:`muon_optax.muon_adamw`.
+
+    ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon
+    leaves; a large AdamW parameter's moments may be split over the owner axes (padded).
+    ``muon`` holds the Muon state, one :class:`MuonBuffers` per parameter dtype.
+    :func:`muon_optax.export_state` gives the same state per parameter.
+    """
+
+    count: jax.Array                       # int32 steps taken
+    mu: Any
+    nu: Any
+    muon: tuple[MuonBuffers, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What :func:`build` was asked for (static)."""
+
+    configs: Mapping[str, AdamWConfig | MuonConfig]
+    param_labels: Any
+    dimension_numbers: Any
+    axes: tuple[str, ...] | None
+    mesh: jax.sharding.Mesh | None
+    param_specs: Any
+    threshold: int
+    name: str
+
+
+# ------------------------------------------------------------------ plans
+
+
+def leaf_specs(opts: Options, params: Any) -> list | None:
+    """Each leaf's layout over ``opts.mesh`` (None in the shard_map and one-device forms).
+
+    From ``param_specs`` if given, else from the leaves' types (Explicit mesh axes); a
+    leaf whose layout is unknown (Auto axes under ``jax.jit``) is taken as whole on every
+    device, which is right for any placement (XLA moves the data to match).
+    """
+    if opts.mesh is None:
+        return None
+    from muon_optax.labels import path_str
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [path_str(p) for p, _ in flat]
+    leaves = [x for _, x in flat]
+    if opts.param_specs is not None:
+        tree = opts.param_specs(params) if callable(opts.param_specs) else opts.param_specs
+        try:
+            given = treedef.flatten_up_to(tree)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{opts.name}: param_specs must have the params' structure with "
+                             "a PartitionSpec at every leaf (or be a callable params -> such "
+                             "a tree).") from e
+        specs = [normalize_spec(s, len(x.shape), p) for s, x, p in zip(given, leaves, paths)]
+    else:
+        specs = [typed_spec(x, p) or ((),) * len(x.shape) for x, p in zip(leaves, paths)]
+    for s, x, p in zip(specs, leaves, paths):
+        check_spec(s, x.shape, dict(opts.mesh.shape), p, opts.axes)
+    return specs
+
+
+def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...]) -> TreePlan:
+    return make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
+                          axes, leaf_specs(opts, params), opts.threshold, opts.name)
+
+
+def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
+    if a.axis is None:
+        return a.padded
+    return a.padded[:a.axis] + (a.padded[a.axis] // n,) + a.padded[a.axis + 1:]
+
+
+def _check_state(plan: TreePlan, state: Any, want: Any, name: str) -> None:
+    """A state made for these params and this layout, or a clear error."""
+    got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
+    if got_def != want_def:
+        raise ValueError(f"{name}: the state was made for other params or another optimizer "
+                         f"(its structure differs); call tx.init on these params.\n"
+                         f"state:    {got_def}\nexpected: {want_def}")
+    flat_got = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, got), w in zip(flat_got, jax.tree.leaves(want)):
+        if tuple(got.shape) != tuple(w.shape):
+            raise ValueError(
+                f"{name}: state leaf {jax.tree_util.keystr(path)} has shape {tuple(got.shape)}"
+                f", but these params on {plan.num_devices} device(s) need {tuple(w.shape)}: "
+                "the state was made for other params, devices or layout; call tx.init on "
+                "these params, or move it with muon_optax.export_state/import_state.")
+
+
+# ------------------------------------------------------------------ AdamW
+
+
+def _adamw_phase(plan: TreePlan, comm: Collectives, hps, t, g_leaves, p_leaves, state,
+                 updates: list) -> tuple[Any, Any]:
+    """AdamW leaves: fills ``updates``; returns the new ``(mu, nu)`` trees.
+
+    Split params: updated where they lie, with moments split the same way. Whole ones:
+    small params all-reduced and updated everywhere; large ones reduce-scattered along
+    their split axis, updated as a slice with their slice of the moments, and the
+    updates all-gathered back.
+    """
+    mu = plan.treedef.flatten_up_to(state.mu)
+    nu = plan.treedef.flatten_up_to(state.nu)
+    for a in plan.adamw:
+        g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
+        if a.local:
+            pass
+        elif a.axis is None:
+            g = comm.mean(g)
+        else:
+            g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
+            p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
+        u, mu[a.index], nu[a.index] = adamw_leaf_update(
+            g, p, mu[a.index], nu[a.index], t, hps[a.group])
+        if a.axis is not None:
+            u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
+        updates[a.index] = u
+    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
+
+
+# ------------------------------------------------------------------ Muon
+
+
+def _slot_hparams(sp: StackPlan, hps, comm: Collectives, j0: int, n: int) -> dict:
+    """Momentum, beta2 and orientation of slots ``j0 .. j0+n``: scalars when uniform."""
+    members = sp.stack.members
+    member_of = np.repeat(np.arange(len(members)), [m.batch for m in members])
+    slots = np.maximum(sp.slots[:, j0:j0 + n], 0)        # unowned slots: as matrix 0
+    groups = sorted({m.group for m in members})
+    out = {}
+    for key in ("momentum", "beta2"):
+        if len(groups) == 1:
+            out[key] = hps[groups[0]][key]
+        else:  # a stack shared by groups: each slot's group value
+            index = np.vectorize(lambda i: groups.index(members[member_of[i]].group))(slots)
+            table = jnp.stack([hps[g][key] for g in groups])
+            out[key] = table[jnp.asarray(comm.pick(index))][:, None, None]
+    flags = np.vectorize(lambda i: members[member_of[i]].transposed)(slots)
+    if (flags == flags.flat[0]).all():
+        out["transposed"] = bool(flags.flat[0])
+    else:
+        out["transposed"] = jnp.asarray(comm.pick(flags))
+    return out
+
+
+def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
+    """Where slot ``j`` of stack ``k`` starts in this device's momentum and second-moment
+    shares (a run of slots is one contiguous slice of each)."""
+    dt = sp.stack.dtype
+    return (comm.pick(plan.owner.momentum[dt].offsets[k]) + j * sp.stack.rows * sp.stack.cols,
+            comm.pick(plan.owner.second[dt].offsets[k]) + j * sp.second_size)
+
+
+def _slice(buf: jax.Array, start, size: int) -> jax.Array:
+    if isinstance(start, int):
+        return buf[:, start:start + size]
+    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=1)
+
+
+def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
+    st = sp.stack
+    momentum = _slice(bufs.momentum, at[0], n * st.rows * st.cols)
+    second = _slice(bufs.second_moment, at[1], n * sp.second_size)
+    return MuonStackState(momentum.reshape(n, st.rows, st.cols),
+                          second.reshape((n, 1, st.cols) if st.reduces_rows else (n, st.rows, 1)))
+
+
+def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) -> jax.Array:
+    """Writes ``x`` into the state buffer in place, once ``ready`` is computed.
+
+    Every read of the old values (XLA may repeat one inside several fusions) feeds
+    ``ready`` or ``x``, so waiting for ``ready`` lets XLA update the buffer without
+    copying it.
+    """
+    x = after(x, ready).reshape(1, -1).astype(buf.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=1)
+
+
+def _skipped(g: jax.Array, state: MuonStackState) -> tuple[jax.Array, MuonStackState]:
+    """An unowned slot: a zero direction (varying like the computed one), state as is."""
+    zero = jnp.zeros(g.shape, state.momentum.dtype)
+    axes = tuple(sorted(varying_axes(g) | varying_axes(state.momentum)))
+    return (jax.lax.pcast(zero, axes, to="varying") if axes else zero), state
+
+
+def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: MuonBuffers,
+                hps, comm: Collectives, prev) -> tuple[MuonBuffers, jax.Array]:
+    """One stack's owned slots: the first ``base`` batched, the rest one by one, each
+    skipped (``lax.cond``) on devices that own fewer. Returns the state buffers."""
+    cfg = sp.stack.config
+    if sp.base:
+        g, at = moves.load(k, 0, sp.base, prev), _state_at(k, sp, plan, comm, 0)
+        state = _read_state(bufs, at, sp.base, sp)
+        hp = _slot_hparams(sp, hps, comm, 0, sp.base)
+        # The new momentum is computed straight into its buffer (its only reader is its
+        # own update) and U reads it back, as nanochat does: no temporary for it.
+        mu = hp.pop("momentum")
+        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0],
+                                             momentum_update(g, state.momentum, mu)))
+        u = nesterov_input(g, _read_state(bufs, at, sp.base, sp).momentum, mu)
+        o, second = normalized_direction(u, state.second_moment, cfg=cfg,
+                                         dtype=state.momentum.dtype, **hp)
+        bufs = bufs._replace(second_moment=_write(bufs.second_moment, at[1], second, o))
+        moves.store(k, 0, o)
+        prev = o
+    counts = comm.pick(sp.counts)
+    for j in range(sp.base, sp.num_slots):
+        owned = counts > j
+        at = _state_at(k, sp, plan, comm, j)
+        g, state = moves.load(k, j, 1, prev), _read_state(bufs, at, 1, sp)
+        hp = _slot_hparams(sp, hps, comm, j, 1)
+        o, state = jax.lax.cond(owned, lambda g, s: muon_direction(g, s, cfg=cfg, **hp),
+                                _skipped, g, state)
+        # Unchanged where not owned.
+        bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
+        moves.store(k, j, o, owned)
+        prev = o
+    return bufs, prev
+
+
+def _muon_phase(plan: TreePlan, comm: Collectives, hps, g_leaves, p_leaves, state,
+                updates: list) -> tuple[MuonBuffers, ...]:
+    """Muon leaves: fills ``updates``; returns the new state buffers.
+
+    Stacks run one after another (each reads the state buffers the previous one wrote),
+    so only one stack's temporaries are alive at a time; the collectives of a channel
+    carry every stack's matrices at once.
+    """
+    moves = Transports(plan.owner, g_leaves, comm)
+    bufs = dict(zip(plan.state_dtypes, state.muon))   # each (1, L): updated in place
+    prev = None
+    for k, sp in enumerate(plan.owner.stacks):
+        dt = sp.stack.dtype
+        bufs[dt], prev = _stack_step(k, sp, plan, moves, bufs[dt], hps, comm, prev)
+    local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
+    directions = moves.finish(local_shapes)
+    for m in plan.muon:
+        hp = hps[m.group]
+        updates[m.index] = cautious_update(directions[m.index], p_leaves[m.index],
+                                           hp["lr"] * m.lr_scale, hp["weight_decay"])
+    return tuple(bufs.values())
+
+
+# ------------------------------------------------------------------ state layout
+
+
+def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: bool) -> Any:
+    """The state as shape structs: one device's (``per_device``) or the global arrays.
+
+    ``shapes`` are the leaves' shapes as the caller sees them (a device's blocks, or the
+    global shapes). The one truth for init, the checks and the specs.
+    """
+    n = plan.num_devices
+    moments = [optax.MaskedNode()] * len(plan.paths)
+    for a in plan.adamw:
+        shape = shapes[a.index] if a.local else (
+            _adamw_local_shape(a, n) if per_device else a.padded)
+        moments[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
+    tree = plan.treedef.unflatten(moments)
+    rows = 1 if per_device else n
+    muon = tuple(MuonBuffers(jax.ShapeDtypeStruct((rows, plan.owner.momentum[dt].length), dt),
+                             jax.ShapeDtypeStruct((rows, plan.owner.second[dt].length), dt))
+                 for dt in plan.state_dtypes)
+    return MuonAdamWState(jax.ShapeDtypeStruct((), jnp.int32), tree, tree, muon)
+
+
+def state_partition_specs(plan: TreePlan, axes: tuple[str, ...]) -> MuonAdamWState:
+    """PartitionSpecs of the global state arrays."""
+    moments = [optax.MaskedNode()] * len(plan.paths)
+    for a in plan.adamw:
+        moments[a.index] = (to_partition_spec(plan.specs[a.index]) if a.local
+                            else split_spec(a.axis, axes))
+    tree = plan.treedef.unflatten(moments)
+    buffers = MuonBuffers(split_spec(0, axes), split_spec(0, axes))
+    return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_dtypes))
+
+
+# ------------------------------------------------------------------ the step
+
+
+def _check_structure(grads, params, name: str) -> None:
+    if params is not None and jax.tree.structure(grads) != jax.tree.structure(params):
+        raise ValueError(f"{name}: grads and params differ in structure:\n"
+                         f"grads:  {jax.tree.structure(grads)}\n"
+                         f"params: {jax.tree.structure(params)}")
+
+
+def _check_shapes(plan: TreePlan, g_leaves, p_leaves, name: str) -> None:
+    for path, g, x in zip(plan.paths, g_leaves, p_leaves or g_leaves):
+        if tuple(g.shape) != tuple(x.shape):
+            raise ValueError(f"{name}: the gradient of {path!r} has shape {g.shape} but the "
+                             f"parameter has shape {x.shape}.")
+
+
+def _check_varying(plan: TreePlan, comm: Collectives, g_leaves, name: str) -> None:
+    """Inside the user's shard_map the optimizer averages the gradients itself, so they
+    must arrive per device ("varying"); jax.grad of params passed with P() returns them
+    already summed over the axis (invariant)."""
+    if not comm.active or comm.grads_reduced:
+        return
+    if not varying_axes(jax.lax.axis_index(comm.axes)):
+        return  # check_vma=False: no types to read; jax.grad gives per-device gradients
+    for path, g in zip(plan.paths, g_leaves):
+        missing = [a for a in comm.axes if a not in varying_axes(g)]
+        if missing:
+            axes = comm.axes[0] if len(comm.axes) == 1 else comm.axes
+            raise ValueError(
+                f"{name}: the gradient of {path!r} arrives invariant over mesh axis "
+                f"{missing[0]!r}, that is already summed or averaged over the devices (jax.grad"
+                f" of params passed with P() inside shard_map returns the sum). This optimizer "
+                f"averages per-device gradients itself: take them at "
+                f"jax.lax.pcast(params, {axes!r}, to='varying') before jax.grad, or build the "
+                f"optimizer with mesh=... for a plain jax.jit train step.")
+
+
+def _local_init(plan: TreePlan, opts: Options, params: Any) -> MuonAdamWState:
+    leaves = plan.treedef.flatten_up_to(params)
+    want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
+                        per_device=True)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), want)
+
+
+def _local_update(plan: TreePlan, opts: Options, grads, state, params):
+    comm = Collectives(opts.axes, grads_reduced=opts.mesh is not None, where=opts.name)
+    _check_structure(grads, params, opts.name)
+    g_leaves = plan.treedef.flatten_up_to(grads)
+    p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
+    _check_shapes(plan, g_leaves, p_leaves, opts.name)
+    _check_varying(plan, comm, g_leaves, opts.name)
+    ref = p_leaves or g_leaves
+    _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref],
+                                           [x.dtype for x in ref], per_device=True), opts.name)
+    count = state.count
+    hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
+                  else muon_hparams(c, count)) for name, c in opts.configs.items()}
+    updates = [None] * len(g_leaves)
+    mu, nu = _adamw_phase(plan, comm, hps, count + 1, g_leaves, p_leaves, state, updates)
+    muon = _muon_phase(plan, comm, hps, g_leaves, p_leaves, state, updates)
+    new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon)
+    return plan.treedef.unflatten(updates), new_state
+
+
+def _needs_params(opts: Options) -> bool:
+    return any(isinstance(c, MuonConfig) or c.needs_params() for c in opts.configs.values())
+
+
+class _Init:
+    """``tx.init``, carrying what :func:`muon_optax.state_specs`, ``describe``,
+    ``estimate`` and the portable state need to know about the transformation."""
+
+    def __init__(self, fn: Callable, opts: Options, state_specs: Callable):
+        self._fn, self.options, self.state_specs = fn, opts, state_specs
+        self.configs = opts.configs
+
+    def __call__(self, params: Any) -> MuonAdamWState:
+        return self._fn(params)
+
+    def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
+        """The static plan of ``params`` (for ``num_devices`` devices along one owner
+        axis, or the mesh's owner axes)."""
+        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices))
+
+    def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
+        """Which matrices each stack holds and who owns them (inspection, benchmarks)."""
+        plan = self.plan(params, num_devices)
+        return [dict(shape=(sp.stack.rows, sp.stack.cols), dtype=str(sp.stack.dtype),
+                     size=sp.stack.size, transport=sp.transport, slots=sp.num_slots,
+                     counts=sp.counts.tolist(), members=[m.path for m in sp.stack.members])
+                for sp in plan.owner.stacks]
+
+
+def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str, int], ...]:
+    """The owner axes with their sizes, outside any mesh context."""
+    if opts.axes is None:
+        if num_devices not in (None, 1):
+            raise ValueError(f"{opts.name}: this transformation was built without axis_name; "
+                             "it runs on one device.")
+        return ()
+    if num_devices is not None:
+        if len(opts.axes) > 1 and (opts.mesh is None or
+                                   num_devices != math.prod(opts.mesh.shape[a]
+                                                            for a in opts.axes)):
+            raise ValueError(f"{opts.name}: with several owner axes {opts.axes}, give the mesh "
+                             "(mesh=) rather than a device count.")
+        if len(opts.axes) == 1:
+            return ((opts.axes[0], int(num_devices)),)
+    if opts.mesh is None:
+        raise ValueError(f"{opts.name}: pass num_devices (this transformation runs inside "
+                         "your own shard_map and does not know the mesh).")
+    return tuple((a, opts.mesh.shape[a]) for a in opts.axes)
+
+
+def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
+          dimension_numbers: Any = None, axis_name: Any = None,
+          mesh: jax.sharding.Mesh | None = None, param_specs: Any = None,
+          small_param_threshold: int = 1024,
+          name: str = "muon_adamw") -> optax.GradientTransformation:
+    """The engine behind :func:`muon_adamw`, :func:`muon` and :func:`adamw`."""
+    from muon_optax.sharding import owner_axes
+
+    opts = Options(dict(configs), param_labels, dimension_numbers, owner_axes(axis_name), mesh,
+                   param_specs, small_param_threshold, name)
+
+    def axes_here() -> tuple[tuple[str, int], ...]:
+        if opts.axes is None:
+            return ()
+        Collectives(opts.axes, where=name)         # a clear error outside shard_map
+        return tuple((a, jax.lax.axis_size(a)) for a in opts.axes)
+
+    def init_fn(params):
+        return _local_init(tree_plan(opts, params, axes_here()), opts, params)
+
+    def update_fn(grads, state, params=None):
+        if params is None and _needs_params(opts):
+            raise ValueError(f"{name}: update needs the params (Muon's cautious weight decay "
+                             "and AdamW's weight decay read them): call "
+                             "tx.update(grads, state, params).")
+        _check_structure(grads, params, name)
+        plan = tree_plan(opts, params if params is not None else grads, axes_here())
+        return _local_update(plan, opts, grads, state, params)
+
+    def state_specs(params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
+        if opts.axes is None:
+            raise ValueError("state_specs: this transformation was built without "
+                             "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
+        missing = [a for a in opts.axes if a not in mesh.shape]
+        if missing:
+            raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
+                             f"{missing[0]!r}.")
+        axes = tuple((a, mesh.shape[a]) for a in opts.axes)
+        return state_partition_specs(tree_plan(opts, params, axes), opts.axes)
+
+    if mesh is not None:
+        init_fn, update_fn = _wrap_in_shard_map(opts)
+    return optax.GradientTransformation(_Init(init_fn, opts, state_specs), update_fn)
+
+
+# ------------------------------------------------------------------ plain jax.jit (mesh=)
+
+
+def _wrap_in_shard_map(opts: Options):
+    """For plain ``jax.jit`` users: init and update run their own ``shard_map``.
+
+    Every leaf enters in its own layout (``in_specs`` from :func:`leaf_specs`), the
+    gradients already averaged by XLA; the updates leave laid out like the params and
+    the state stays split over the owner axes.
+    """
+    mesh, name = opts.mesh, opts.name
+    axes = tuple((a, mesh.shape[a]) for a in opts.axes)
+
+    def layouts(plan: TreePlan):
+        return plan.treedef.unflatten([to_partition_spec(s) for s in plan.specs])
+
+    def placed(tree, plan: TreePlan):
+        """Explicit axes: leaves typed with another layout move to the plan's first."""
+        leaves = plan.treedef.flatten_up_to(tree)
+        out = []
+        for x, spec, path in zip(leaves, plan.specs, plan.paths):
+            typed = typed_spec(x, path)
+            if typed is not None and typed != spec:
+                x = jax.sharding.reshard(x, to_partition_spec(spec))
+            out.append(x)
+        return plan.treedef.unflatten(out)
+
+    def init(params):
+        _outside_shard_map(name)
+        plan = tree_plan(opts, params, axes)
+        fn = functools.partial(_local_init, plan, opts)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),),
+                             out_specs=state_partition_specs(plan, opts.axes))(
+            placed(params, plan))
+
+    def update(grads, state, params=None):
+        _outside_shard_map(name)
+        if params is None and _needs_params(opts):
+            raise ValueError(f"{name}: update needs the params (Muon's cautious weight decay "
+                             "and AdamW's weight decay read them): call "
+                             "tx.update(grads, state, params).")
+        _check_structure(grads, params, name)
+        ref = params if params is not None else grads
+        plan = tree_plan(opts, ref, axes)
+        leaves = plan.treedef.flatten_up_to(ref)
+        _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
+                                               [x.dtype for x in leaves], per_device=False),
+                     name)
+        specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes)
+        fn = functools.partial(_local_update, plan, opts)
+        if params is None:
+            return jax.shard_map(lambda g, s: fn(g, s, None), mesh=mesh,
+                                 in_specs=(specs, sspecs), out_specs=(specs, sspecs))(
+                placed(grads, plan), state)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs),
+                             out_specs=(specs, sspecs))(
+            placed(grads, plan), state, placed(params, plan))
+
+    return init, update
+
+
+def _outside_shard_map(name: str) -> None:
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    if manual:
+        raise ValueError(f"{name}: this transformation was built with mesh= for plain jax.jit "
+                         f"train steps, but is called inside a shard_map over {manual}; inside "
+                         "your own shard_map build it without mesh= (axis_name only).")

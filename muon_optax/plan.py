@@ -1,0 +1,518 @@
+"""Who owns which Muon matrix, and where each of its pieces lives on every device.
+
+Muon needs each matrix whole, but no device needs all of them. With ``N`` devices along
+the owner axes, every Muon matrix gets one *owner*: the device that holds its momentum
+and NorMuon state and runs its polar iteration. Owners are chosen across all stacks by
+cost (:func:`assign_owners`), so that the busiest device does about ``1/N`` of the work
+and holds about ``1/N`` of the state, whatever the stack sizes.
+
+How a matrix reaches its owner depends on how its leaf is laid out over the owner axes
+(its *transport*):
+
+- ``"gather"``: the leaf is whole on every device (replicated params, ZeRO-2). The owner
+  takes its matrices from one reduce-scatter of a flat, device-major buffer of every
+  device's gradients (or from its own copy, when the gradients arrive already reduced),
+  and the directions go back to every device by one all-gather of that buffer.
+- ``"exchange"``: the leaf's matrix axes are split over the owner axes (FSDP, tensor
+  parallel, both). Every holder sends its owner an equal piece of the matrix, so one
+  all-to-all assembles every matrix on its owner; a second all-to-all sends each holder
+  its block of the direction.
+- ``"local"``: the leaf is split along its batch (layer) axes over all owner axes: each
+  device owns the matrices it holds, and nothing moves.
+
+Under SPMD every device runs the same program, so uneven ownership lives in data: each
+device's share of every flat buffer lists its matrices stack by stack (a *channel*), at
+offsets read from small static tables indexed by the device. A stack runs its first
+``min`` slots (owned by every device) as one batched program and its remaining slots
+one at a time under ``lax.cond``, skipped where a device owns fewer. The program's size
+depends on the stacks and the slots per device, never on ``N``.
+
+Everything here is static: NumPy and Python from shapes, labels and shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from muon_optax.hparams import MuonConfig
+from muon_optax.labels import flat_labels, path_str
+from muon_optax.layout import MatrixLeaf, Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
+from muon_optax.polar import choose_method, polar_flops
+from muon_optax.sharding import Spec, adamw_shard_axis, padded_shape
+
+GATHER, EXCHANGE, LOCAL = "gather", "exchange", "local"
+
+# Elementwise FLOPs per element of a Muon matrix around its polar iteration (momentum,
+# the scalings, NorMuon, the cautious update); part of the cost model only.
+MUON_ELEMENTWISE_FLOPS = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How an ``"exchange"`` leaf's matrix axes are split over the owner axes.
+
+    ``grid[i]`` blocks along matrix axis ``i`` (the leaf's non-batch axes in leaf order);
+    ``replicas`` devices hold each block. Source device ``s`` (its linear index over the
+    owner axes) holds block ``block_of[s]`` and sends its owner sub-piece
+    ``replica_of[s]`` of it, ``piece`` elements, so every source sends the same amount.
+    """
+
+    mshape: tuple[int, ...]
+    grid: tuple[int, ...]
+    replicas: int
+    block_of: tuple[int, ...]
+    replica_of: tuple[int, ...]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(n // g for n, g in zip(self.mshape, self.grid))
+
+    @property
+    def block_size(self) -> int:
+        return math.prod(self.block_shape)
+
+    @property
+    def piece(self) -> int:
+        return -(-self.block_size // self.replicas)
+
+    @property
+    def source_order(self) -> np.ndarray:
+        """Source devices sorted by (block, sub-piece): the order that reassembles."""
+        return np.argsort(np.asarray(self.block_of) * self.replicas
+                          + np.asarray(self.replica_of), kind="stable")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+    """A stack, how its matrices travel, and which device owns each of them.
+
+    ``slots[d, j]`` is the stack index (member order, matrices enumerated) of device
+    ``d``'s ``j``-th owned matrix, ``-1`` past its count.
+    """
+
+    stack: Stack
+    transport: str
+    route: Route | None
+    owners: np.ndarray            # (K,)
+    slots: np.ndarray             # (N, S)
+
+    @property
+    def counts(self) -> np.ndarray:
+        return (self.slots >= 0).sum(axis=1)
+
+    @property
+    def base(self) -> int:
+        """Slots every device owns: run as one batched program."""
+        return int(self.counts.min()) if self.slots.size else 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.shape[1]
+
+    def slot_of(self) -> np.ndarray:
+        """Each matrix's slot on its owner."""
+        out = np.zeros(self.stack.size, np.int64)
+        for d, row in enumerate(self.slots):
+            for j, i in enumerate(row):
+                if i >= 0:
+                    out[i] = j
+        return out
+
+    @property
+    def second_size(self) -> int:
+        """Elements of one matrix's NorMuon second moment."""
+        return self.stack.cols if self.stack.reduces_rows else self.stack.rows
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Channel:
+    """One flat per-device buffer: each stack's slots back to back, device by device.
+
+    ``offsets[k, d]`` is where stack ``k``'s slots start in device ``d``'s share (only
+    meaningful for the stacks in the channel); each slot takes ``sizes[k]`` elements;
+    ``length`` is the longest share, the size every device allocates.
+    """
+
+    stacks: tuple[int, ...]
+    offsets: np.ndarray           # (num stacks, N)
+    sizes: tuple[int, ...]        # per stack (0 outside the channel)
+    length: int
+
+    def position(self, k: int, d: int, j: int) -> int:
+        """Flat position, in the device-major global buffer, of device d's slot j of k."""
+        return d * self.length + int(self.offsets[k, d]) + j * self.sizes[k]
+
+
+def make_channel(stacks: Sequence[StackPlan], members: Sequence[int],
+                 size_of) -> Channel:
+    """Lays out the given stacks' slots in every device's share, in stack order."""
+    n = stacks[0].slots.shape[0] if stacks else 1
+    offsets = np.zeros((len(stacks), n), np.int64)
+    sizes = [0] * len(stacks)
+    used = np.zeros(n, np.int64)
+    for k in members:
+        sizes[k] = size_of(stacks[k])
+        offsets[k] = used
+        used = used + stacks[k].counts * sizes[k]
+    return Channel(tuple(members), offsets, tuple(sizes), int(used.max()) if n else 0)
+
+
+# ------------------------------------------------------------------------ cost model
+
+
+def matrix_flops(stack: Stack) -> int:
+    """Cost of one matrix of ``stack``: its polar iteration and the elementwise math."""
+    cfg = stack.config
+    method = choose_method(stack.rows, stack.cols, cfg.ns_steps, cfg.polar_method,
+                           cfg.compute_dtype or "float32")
+    return (polar_flops(stack.rows, stack.cols, cfg.ns_steps, method)
+            + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
+
+
+def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: int,
+                  fixed: Sequence[int] | None = None) -> np.ndarray:
+    """Owner of every matrix: greedy longest-processing-time across all stacks.
+
+    Matrices are taken from the most to the least expensive (FLOPs, then state) and each
+    goes to the device with the least work so far, ties broken by the least state, then
+    the lowest index. ``fixed[i] >= 0`` pins matrix ``i`` to that device (a matrix that
+    already lives there). For nanochat-shaped models this reaches the best whole-matrix
+    assignment of both FLOPs and state (tests/test_plan.py checks it against an exact
+    search up to N = 256).
+    """
+    m = len(flops)
+    owners = np.full(m, -1, np.int64) if fixed is None else np.asarray(fixed, np.int64).copy()
+    load = np.zeros(num_devices)
+    held = np.zeros(num_devices)
+    for i in np.flatnonzero(owners >= 0):
+        load[owners[i]] += flops[i]
+        held[owners[i]] += state[i]
+    free = [i for i in range(m) if owners[i] < 0]
+    free.sort(key=lambda i: (-flops[i], -state[i], i))
+    for i in free:
+        d = min(range(num_devices), key=lambda d: (load[d], held[d], d))
+        owners[i] = d
+        load[d] += flops[i]
+        held[d] += state[i]
+    return owners
+
+
+def slots_from_owners(owners: np.ndarray, num_devices: int) -> np.ndarray:
+    """``(N, S)`` table of each device's owned matrices in stack order, ``-1`` padded."""
+    per_device = [np.flatnonzero(owners == d) for d in range(num_devices)]
+    width = max((len(p) for p in per_device), default=0)
+    slots = np.full((num_devices, width), -1, np.int64)
+    for d, p in enumerate(per_device):
+        slots[d, :len(p)] = p
+    return slots
+
+
+# ------------------------------------------------------------------------ leaf layouts
+
+
+def axis_sizes(axes: Sequence[tuple[str, int]]) -> dict[str, int]:
+    return dict(axes)
+
+
+def device_coords(d: int, axes: Sequence[tuple[str, int]]) -> dict[str, int]:
+    """Mesh coordinates of owner-axes linear index ``d`` (first axis major)."""
+    coords = {}
+    for name, size in reversed(axes):
+        coords[name] = d % size
+        d //= size
+    return coords
+
+
+def _linear(coords: dict[str, int], names: Sequence[str], sizes: dict[str, int]) -> int:
+    i = 0
+    for name in names:
+        i = i * sizes[name] + coords[name]
+    return i
+
+
+def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
+             axes: Sequence[tuple[str, int]]) -> tuple[str, Route | None]:
+    """The transport of a Muon leaf laid out as ``spec`` (mesh axes per leaf axis).
+
+    Raises ``NotImplementedError`` for layouts this module does not move (both the batch
+    axes and the matrix axes split, or batch axes split over only some owner axes); the
+    engine then gathers such a leaf whole first.
+    """
+    sizes = axis_sizes(axes)
+    n = math.prod(sizes.values())
+    batch_split = [a for i in leaf.batch_axes for a in spec[i]]
+    matrix_axes = leaf.matrix_axes
+    matrix_split = [a for i in matrix_axes for a in spec[i]]
+    if not batch_split and not matrix_split:
+        return GATHER, None
+    if batch_split and matrix_split:
+        raise NotImplementedError("both its batch axes and its matrix axes are split")
+    if batch_split:
+        if math.prod(sizes[a] for a in batch_split) != n:
+            raise NotImplementedError("its batch axes are split over only some owner axes")
+        return LOCAL, None
+    grid = tuple(math.prod(sizes[a] for a in spec[i]) for i in matrix_axes)
+    used = set(matrix_split)
+    replica_axes = [name for name, _ in axes if name not in used]
+    block_of, replica_of = [], []
+    for d in range(n):
+        coords = device_coords(d, axes)
+        index = 0
+        for i, g in zip(matrix_axes, grid):
+            index = index * g + _linear(coords, spec[i], sizes)
+        block_of.append(index)
+        replica_of.append(_linear(coords, replica_axes, sizes))
+    mshape = tuple(leaf.shape[i] for i in matrix_axes)
+    return EXCHANGE, Route(mshape, grid, n // math.prod(grid), tuple(block_of),
+                           tuple(replica_of))
+
+
+def local_holders(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
+                  axes: Sequence[tuple[str, int]]) -> tuple[np.ndarray, list[list[int]]]:
+    """For a ``"local"`` leaf: the device holding each matrix (batch index, row-major
+    over the batch axes), and each device's matrices in its local row-major order."""
+    sizes = axis_sizes(axes)
+    n = math.prod(sizes.values())
+    bshape = [leaf.shape[i] for i in leaf.batch_axes]
+    grid = [math.prod(sizes[a] for a in spec[i]) for i in leaf.batch_axes]
+    holder = np.zeros(leaf.batch, np.int64)
+    held: list[list[int]] = [[] for _ in range(n)]
+    for d in range(n):
+        coords = device_coords(d, axes)
+        ranges = []
+        for i, size, g in zip(leaf.batch_axes, bshape, grid):
+            block = _linear(coords, spec[i], sizes)
+            ranges.append(range(block * (size // g), (block + 1) * (size // g)))
+        for idx in np.ndindex(*[len(r) for r in ranges]):
+            b = int(np.ravel_multi_index([r[k] for r, k in zip(ranges, idx)], bshape))
+            holder[b] = d
+            held[d].append(b)
+    return holder, held
+
+
+# ------------------------------------------------------------------------ the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerPlan:
+    """Owners, slots and channels of every Muon stack for ``num_devices`` devices."""
+
+    num_devices: int
+    stacks: tuple[StackPlan, ...]
+    gather: dict[Any, Channel]       # grad dtype -> channel of the "gather" stacks
+    exchange: dict[Any, Channel]     # grad dtype -> all-to-all pieces, towards owners
+    back: dict[Any, Channel]         # grad dtype -> all-to-all blocks, back to holders
+    momentum: dict[Any, Channel]     # state dtype -> momentum of the owned matrices
+    second: dict[Any, Channel]       # state dtype -> their NorMuon second moments
+    local_slots: dict[int, list[list[tuple[int, int]]]]  # stack -> device -> (member, b)
+
+    def state_dtype(self, k: int) -> Any:
+        return self.stacks[k].stack.dtype
+
+    def max_flops(self) -> float:
+        return float(max(self.device_flops()))
+
+    def device_flops(self) -> list[float]:
+        out = np.zeros(self.num_devices)
+        for sp in self.stacks:
+            out += sp.counts * matrix_flops(sp.stack)
+        return out.tolist()
+
+    def program_flops(self) -> float:
+        """Muon FLOPs in one device's program: every conditional slot counted, as
+        XLA's cost analysis counts a conditional's branch."""
+        return float(sum(sp.num_slots * matrix_flops(sp.stack) for sp in self.stacks))
+
+
+def _channels(stacks: tuple[StackPlan, ...], kind: str, size_of) -> dict[Any, Channel]:
+    by_dtype: dict[Any, list[int]] = {}
+    for k, sp in enumerate(stacks):
+        if sp.transport == kind:
+            by_dtype.setdefault(sp.stack.dtype, []).append(k)
+    return {dt: make_channel(stacks, ks, size_of) for dt, ks in by_dtype.items()}
+
+
+def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[tuple[str, Route | None]],
+                    holders: Sequence[np.ndarray | None], num_devices: int,
+                    local_held: Sequence[list[list[tuple[int, int]]] | None]) -> OwnerPlan:
+    """Assigns owners across all stacks and lays out every channel.
+
+    ``holders[k]`` pins a ``"local"`` stack's matrices to the devices that hold them;
+    ``local_held[k][d]`` lists device ``d``'s (member, batch index) pairs of that stack.
+    """
+    flops, state, fixed, where = [], [], [], []
+    for k, (stack, hold) in enumerate(zip(stacks, holders)):
+        f = matrix_flops(stack)
+        s = stack.rows * stack.cols + (stack.cols if stack.reduces_rows else stack.rows)
+        for i in range(stack.size):
+            flops.append(f)
+            state.append(s * np.dtype(stack.dtype).itemsize)
+            fixed.append(-1 if hold is None else int(hold[i]))
+            where.append((k, i))
+    owners = assign_owners(flops, state, num_devices, fixed)
+    per_stack = [np.zeros(s.size, np.int64) for s in stacks]
+    for (k, i), d in zip(where, owners):
+        per_stack[k][i] = d
+    plans = []
+    for k, (stack, (kind, route)) in enumerate(zip(stacks, transports)):
+        if kind == LOCAL:
+            slots = _local_slots(stack, local_held[k], num_devices)
+        else:
+            slots = slots_from_owners(per_stack[k], num_devices)
+        plans.append(StackPlan(stack, kind, route, per_stack[k], slots))
+    plans = tuple(plans)
+    local = {k: local_held[k] for k, sp in enumerate(plans) if sp.transport == LOCAL}
+    return OwnerPlan(
+        num_devices, plans,
+        gather=_channels(plans, GATHER, lambda sp: sp.stack.rows * sp.stack.cols),
+        exchange=_channels(plans, EXCHANGE, lambda sp: sp.route.piece),
+        back=_channels(plans, EXCHANGE, lambda sp: sp.route.block_size),
+        momentum=_state_channels(plans, lambda sp: sp.stack.rows * sp.stack.cols),
+        second=_state_channels(plans, lambda sp: sp.second_size), local_slots=local)
+
+
+def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.ndarray:
+    """A local stack's slots: each device's own matrices, as stack indices."""
+    start = np.cumsum([0] + [m.batch for m in stack.members])
+    rows = [[int(start[i] + b) for i, b in held[d]] for d in range(n)]
+    width = max(len(r) for r in rows)
+    slots = np.full((n, width), -1, np.int64)
+    for d, r in enumerate(rows):
+        slots[d, :len(r)] = r
+    return slots
+
+
+def _state_channels(stacks: tuple[StackPlan, ...], size_of) -> dict[Any, Channel]:
+    by_dtype: dict[Any, list[int]] = {}
+    for k, sp in enumerate(stacks):
+        by_dtype.setdefault(sp.stack.dtype, []).append(k)
+    return {dt: make_channel(stacks, ks, size_of) for dt, ks in by_dtype.items()}
+
+
+# ------------------------------------------------------------------ a params tree's plan
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWLeaf:
+    """An AdamW parameter: where its moments live.
+
+    ``local``: the parameter arrives split over the mesh by the user; its moments are
+    split the same way and it is updated where it lies. Otherwise it is whole on every
+    device: split along ``axis`` over the owner axes (padded to ``padded``), or, under
+    the small-parameter threshold (``axis=None``), updated everywhere.
+    """
+
+    index: int
+    path: str
+    group: str
+    shape: tuple[int, ...]
+    axis: int | None
+    padded: tuple[int, ...]
+    local: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePlan:
+    """The static layout of one params tree: which leaf goes where, on which device."""
+
+    treedef: Any
+    paths: tuple[str, ...]
+    specs: tuple[Spec, ...]                # per leaf, the layout the engine works with
+    axes: tuple[tuple[str, int], ...]      # owner axes and their sizes
+    adamw: tuple[AdamWLeaf, ...]
+    muon: tuple[MatrixLeaf, ...]
+    owner: OwnerPlan
+
+    @property
+    def num_devices(self) -> int:
+        return self.owner.num_devices
+
+    @property
+    def state_dtypes(self) -> tuple[Any, ...]:
+        """The dtypes of the Muon state buffers, in state order."""
+        return tuple(self.owner.momentum)
+
+
+def _signature(leaf: MatrixLeaf, transport: str, route: Route | None) -> tuple:
+    if transport != EXCHANGE:
+        return (transport,)
+    mshape = tuple(leaf.shape[a] for a in leaf.matrix_axes)
+    return (transport, route, mshape, leaf.sides)
+
+
+def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
+                   dimension_numbers: Any, axes: Sequence[tuple[str, int]],
+                   specs: Sequence[Spec] | None, threshold: int,
+                   where: str = "muon_adamw") -> TreePlan:
+    """Everything static about ``params`` for ``axes`` (owner axes with their sizes).
+
+    ``specs`` gives each leaf's layout over the mesh (``None``: all whole on every
+    device, as in the ``shard_map`` form).
+    """
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = tuple(path_str(p) for p, _ in leaves_with_path)
+    leaves = [x for _, x in leaves_with_path]
+    for path, x in zip(paths, leaves):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{where}: parameter {path!r} is a {type(x).__name__}, not an "
+                            "array.")
+    specs = list(specs) if specs is not None else [((),) * len(x.shape) for x in leaves]
+    labels = flat_labels(param_labels, params, paths, list(configs))
+    dims = flat_dimension_numbers(dimension_numbers, params)
+    n = math.prod(size for _, size in axes)
+    adamw_leaves, matrices, kinds = [], [], {}
+    for i, (path, x, label) in enumerate(zip(paths, leaves, labels)):
+        shape = tuple(x.shape)
+        if isinstance(configs[label], MuonConfig):
+            leaf = matrix_leaf(i, path, x, label, dims[i])
+            kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
+            matrices.append(leaf)
+        elif any(specs[i]):
+            adamw_leaves.append(AdamWLeaf(i, path, label, shape, None, shape, local=True))
+        else:
+            axis = adamw_shard_axis(shape, n, threshold)
+            adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis,
+                                          padded_shape(shape, axis, n)))
+    stacks = plan_stacks(matrices, configs, lambda leaf: _signature(leaf, *kinds[leaf.index]))
+    holders, held = [], []
+    for st in stacks:
+        if kinds[st.members[0].index][0] != LOCAL:
+            holders.append(None)
+            held.append(None)
+            continue
+        hold = [local_holders(m, specs[m.index], axes) for m in st.members]
+        holders.append(np.concatenate([h for h, _ in hold]))
+        held.append([[(i, b) for i, (_, per_device) in enumerate(hold) for b in per_device[d]]
+                     for d in range(n)])
+    owner = make_owner_plan(stacks, [kinds[st.members[0].index] for st in stacks], holders,
+                            n, held)
+    return TreePlan(treedef, paths, tuple(specs), tuple(axes), tuple(adamw_leaves),
+                    tuple(matrices), owner)
+
+
+def _muon_transport(leaf: MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]],
+                    where: str) -> tuple[tuple[str, Route | None], Spec]:
+    """How a Muon leaf travels, and the layout the engine will read it in."""
+    owners = {name for name, _ in axes}
+    foreign = [a for entry in spec for a in entry if a not in owners]
+    if foreign:
+        raise ValueError(
+            f"{where}: parameter {leaf.path!r} is split over mesh axis {foreign[0]!r}, which "
+            f"is not an owner axis (axis_name={tuple(owners)}); Muon needs whole matrices: "
+            f"add {foreign[0]!r} to axis_name, or do not split Muon params over it.")
+    try:
+        return classify(leaf, spec, axes), spec
+    except NotImplementedError as e:
+        warnings.warn(f"{where}: parameter {leaf.path!r} is laid out as {spec}, and {e}; it "
+                      "is gathered whole on every device before the update (more traffic). "
+                      "Split either its layer axes over all of axis_name, or its matrix "
+                      "axes.", stacklevel=4)
+        return (GATHER, None), ((),) * len(spec)

@@ -1,0 +1,227 @@
+"""Optimizer state that moves between device counts and sharding modes.
+
+The engine keeps the Muon state in flat per-device buffers whose layout depends on the
+device count, the owner plan and the params' layouts (:mod:`muon_optax.plan`), and may
+pad large AdamW moments to a multiple of the device count. The portable form is the
+same numbers per parameter, in the parameter's own layout:
+
+    {"count": int32 scalar,
+     "mu": AdamW first moments  (params' structure; None at Muon leaves),
+     "nu": AdamW second moments (likewise),
+     "momentum": Muon momentum  (params' structure, leaf-shaped; None at AdamW leaves),
+     "second_moment": NorMuon second moment (leaf-shaped with the averaged side's axes
+                       of length 1: one value per output feature if out >= in, else per
+                       input feature; None at AdamW leaves)}
+
+:func:`export_state` and :func:`import_state` are pure functions of global arrays
+(eager or under ``jax.jit``): a state written on N devices continues on M devices, in
+any mode, exactly as if uninterrupted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from muon_optax.engine import MuonAdamWState, MuonBuffers, state_shapes
+from muon_optax.layout import MatrixLeaf
+from muon_optax.plan import TreePlan
+
+
+def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
+    init = getattr(tx, "init", None)
+    if not hasattr(init, "plan"):
+        raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
+                        "(or muon/adamw) itself, not a chain or a wrapper around it.")
+    opts = init.options
+    if opts.axes is None:
+        num_devices = None
+    elif opts.mesh is None and num_devices is None:
+        raise ValueError(f"{where}: this transformation runs inside your own shard_map and does "
+                         "not know the device count: pass num_devices=.")
+    elif opts.mesh is not None:
+        num_devices = None
+    return init.plan(params, num_devices)
+
+
+def _second_shape(m: MatrixLeaf, reduces_rows: bool) -> tuple[int, ...]:
+    """Leaf-shaped NorMuon statistics: the averaged side's axes have length 1."""
+    rows = m.in_axes if m.transposed else m.out_axes        # the stored rows' leaf axes
+    cols = m.out_axes if m.transposed else m.in_axes
+    averaged = rows if reduces_rows else cols
+    return tuple(1 if a in averaged else n for a, n in enumerate(m.shape))
+
+
+def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
+    """Each Muon leaf's momentum (or second moment), leaf-shaped, from the flat buffers."""
+    out = {}
+    for k, sp in enumerate(plan.owner.stacks):
+        st, dt = sp.stack, sp.stack.dtype
+        momentum = kind == "momentum"
+        channel = (plan.owner.momentum if momentum else plan.owner.second)[dt]
+        size = st.rows * st.cols if momentum else sp.second_size
+        flat = bufs[dt][0 if momentum else 1].reshape(-1)
+        slot_of, start = sp.slot_of(), 0
+        for m in st.members:
+            pieces = []
+            for i in range(start, start + m.batch):
+                p = channel.position(k, int(sp.owners[i]), int(slot_of[i]))
+                pieces.append(flat[p:p + size])
+            start += m.batch
+            stored = jnp.stack(pieces)
+            if momentum:
+                out[m.index] = m.from_stored(stored.reshape(m.batch, st.rows, st.cols))
+            else:
+                shape = _second_shape(m, st.reduces_rows)
+                stored = stored.reshape((m.batch, 1, st.cols) if st.reduces_rows
+                                        else (m.batch, st.rows, 1))
+                out[m.index] = m.from_stored(stored, shape)
+    return out
+
+
+def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params: Any,
+                 *, num_devices: int | None = None) -> dict[str, Any]:
+    """``tx``'s state as per-parameter arrays that do not depend on devices or mode.
+
+    Args:
+      tx: the transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``).
+      state: its state, as global arrays (what ``init``/``update`` return under jit).
+      params: the params (arrays or shape structs) the state belongs to.
+      num_devices: only for a transformation built with ``axis_name`` but no ``mesh``,
+        used inside your own ``shard_map``: the device count the state was made for
+        (default: read from the state).
+    """
+    if num_devices is None and getattr(tx.init, "options", None) is not None \
+            and tx.init.options.mesh is None and tx.init.options.axes is not None:
+        num_devices = state.muon[0].momentum.shape[0] if state.muon else 1
+    plan = _plan(tx, params, num_devices, "export_state")
+    _check(plan, state, params, "export_state")
+    leaves = plan.treedef.flatten_up_to(params)
+    mu = [None] * len(leaves)
+    nu = [None] * len(leaves)
+    state_mu = plan.treedef.flatten_up_to(state.mu)
+    state_nu = plan.treedef.flatten_up_to(state.nu)
+    for a in plan.adamw:
+        crop = tuple(slice(0, n) for n in a.shape)
+        mu[a.index], nu[a.index] = state_mu[a.index][crop], state_nu[a.index][crop]
+    bufs = dict(zip(plan.state_dtypes, state.muon))
+    momentum = _muon_leaves(plan, bufs, "momentum")
+    second = _muon_leaves(plan, bufs, "second")
+    unflat = plan.treedef.unflatten
+    return {"count": state.count, "mu": unflat(mu), "nu": unflat(nu),
+            "momentum": unflat([momentum.get(i) for i in range(len(leaves))]),
+            "second_moment": unflat([second.get(i) for i in range(len(leaves))])}
+
+
+def _check(plan: TreePlan, state: Any, params: Any, where: str) -> None:
+    from muon_optax.engine import _check_state
+
+    leaves = plan.treedef.flatten_up_to(params)
+    _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
+                                           [x.dtype for x in leaves], per_device=False), where)
+
+
+def _flat_buffer(plan: TreePlan, dt: Any, leaves: dict[int, jax.Array],
+                 kind: str) -> jax.Array:
+    """The device-major ``(N, L)`` buffer of one dtype from leaf-shaped arrays."""
+    momentum = kind == "momentum"
+    channel = (plan.owner.momentum if momentum else plan.owner.second)[dt]
+    n = plan.num_devices
+    rows: list[list[jax.Array]] = [[] for _ in range(n)]
+    for k in channel.stacks:
+        sp = plan.owner.stacks[k]
+        st = sp.stack
+        stored = []
+        for m in st.members:
+            x = jnp.asarray(leaves[m.index], dt)
+            if momentum:
+                stored.append(m.to_stored(x).reshape(m.batch, -1))
+            else:
+                stored.append(jnp.transpose(x, m.stored_perm).reshape(m.batch, -1))
+        stored = jnp.concatenate(stored)
+        for d in range(n):
+            mine = sp.slots[d][sp.slots[d] >= 0]
+            if len(mine):
+                rows[d].append(stored[np.asarray(mine)].reshape(-1))
+    out = []
+    for r in rows:
+        used = sum(x.shape[0] for x in r)
+        r = r + [jnp.zeros(channel.length - used, dt)] if channel.length > used else r
+        out.append(jnp.concatenate(r) if r else jnp.zeros(0, dt))
+    return jnp.stack(out)
+
+
+def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], params: Any,
+                 *, num_devices: int | None = None) -> MuonAdamWState:
+    """``tx``'s state, as global arrays, from :func:`export_state`'s portable form.
+
+    Place the result with :func:`muon_optax.state_specs` (or let ``jax.jit`` place it).
+    ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the
+    device count to make the state for (required there).
+    """
+    plan = _plan(tx, params, num_devices, "import_state")
+    _check_portable(plan, portable, params)
+    leaves = plan.treedef.flatten_up_to(params)
+    want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
+                        per_device=False)
+    mu = [optax.MaskedNode()] * len(leaves)
+    nu = [optax.MaskedNode()] * len(leaves)
+    given_mu = plan.treedef.flatten_up_to(portable["mu"])
+    given_nu = plan.treedef.flatten_up_to(portable["nu"])
+    want_mu = plan.treedef.flatten_up_to(want.mu)
+    for a in plan.adamw:
+        pad = want_mu[a.index].shape
+        mu[a.index] = _pad(jnp.asarray(given_mu[a.index], want_mu[a.index].dtype), pad)
+        nu[a.index] = _pad(jnp.asarray(given_nu[a.index], want_mu[a.index].dtype), pad)
+    momentum = dict(enumerate(plan.treedef.flatten_up_to(portable["momentum"])))
+    second = dict(enumerate(plan.treedef.flatten_up_to(portable["second_moment"])))
+    muon = tuple(MuonBuffers(_flat_buffer(plan, dt, momentum, "momentum"),
+                             _flat_buffer(plan, dt, second, "second"))
+                 for dt in plan.state_dtypes)
+    return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
+                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon)
+
+
+def _pad(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
+
+
+def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
+    """The portable state of these params and groups, or an error naming the first
+    mismatching path."""
+    keys = {"count", "mu", "nu", "momentum", "second_moment"}
+    if not isinstance(portable, dict) or set(portable) != keys:
+        raise ValueError("import_state: expected the dict made by muon_optax.export_state "
+                         f"with keys {sorted(keys)}.")
+    leaves = plan.treedef.flatten_up_to(params)
+    muon = {m.index: m for m in plan.muon}
+    second_of = {}
+    for sp in plan.owner.stacks:
+        for m in sp.stack.members:
+            second_of[m.index] = _second_shape(m, sp.stack.reduces_rows)
+    for name in ("mu", "nu", "momentum", "second_moment"):
+        try:
+            given = plan.treedef.flatten_up_to(portable[name])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"import_state: portable[{name!r}] does not have the params' "
+                             "structure; was it exported for other params?") from e
+        for i, (path, x, g) in enumerate(zip(plan.paths, leaves, given)):
+            wanted_here = (i in muon) == (name in ("momentum", "second_moment"))
+            if not wanted_here:
+                if g is not None:
+                    raise ValueError(f"import_state: {name} of {path!r} is given, but the "
+                                     "parameter is in another kind of group now: the groups "
+                                     "or labels differ from the exported state's.")
+                continue
+            shape = second_of[i] if name == "second_moment" else tuple(x.shape)
+            if g is None or tuple(np.shape(g)) != shape:
+                raise ValueError(f"import_state: {name} of {path!r} has shape "
+                                 f"{None if g is None else tuple(np.shape(g))}, expected "
+                                 f"{shape}: the portable state was exported for other params "
+                                 "or groups.")

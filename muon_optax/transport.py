@@ -1,0 +1,357 @@
+"""Moving Muon matrices to their owners and their directions back (see :mod:`plan`).
+
+Each stack reads its owned matrices through a *source* and writes their directions into
+a *sink*; the sinks' buffers travel back in one collective per channel after every stack
+has run. One source and one sink per transport:
+
+- gather:   flat device-major buffer -> reduce-scatter (or this device's own slice of
+            already reduced gradients) ... directions -> flat share -> all-gather;
+- exchange: equal pieces of every matrix -> all-to-all -> reassembled on the owner ...
+            directions cut into the holders' blocks -> all-to-all -> each holder's block;
+- local:    the device's own matrices, read and written in place.
+
+All positions are static (from the plan) or, where they depend on the device, read from
+small tables indexed by ``axis_index``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from muon_optax.layout import MatrixLeaf, Stack
+from muon_optax.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan, StackPlan
+from muon_optax.polar import after
+from muon_optax.sharding import Collectives
+
+
+def _owner_major(sp: StackPlan) -> np.ndarray:
+    """Stack indices sorted by owner, then slot: device d's matrices are a contiguous run."""
+    return np.concatenate([row[row >= 0] for row in sp.slots]) if sp.slots.size else \
+        np.zeros(0, np.int64)
+
+
+def _take(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
+    """``x`` indexed along ``axis`` by a static index: a no-op for the identity."""
+    index = np.asarray(index)
+    if index.shape[0] == x.shape[axis] and (index == np.arange(index.shape[0])).all():
+        return x
+    return jnp.take(x, jnp.asarray(index), axis=axis)
+
+
+def _device_rows(parts: list[list[jax.Array]], length: int, dtype: Any) -> list[jax.Array]:
+    """Each device's parts concatenated and zero-padded to ``length`` elements."""
+    rows = []
+    for p in parts:
+        used = sum(x.shape[-1] for x in p)
+        if length > used:
+            p = p + [jnp.zeros(p[0].shape[:-1] + (length - used,) if p else (length - used,),
+                               dtype)]
+        rows.append(jnp.concatenate(p, axis=-1) if len(p) > 1 else p[0])
+    return rows
+
+
+def _dynamic_slice(x: jax.Array, start: int | jax.Array, size: int, axis: int) -> jax.Array:
+    if isinstance(start, int):
+        return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array,
+                    axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
+
+
+# ------------------------------------------------------------------ gather transport
+
+
+class GatherSource:
+    """Owned matrices of the ``"gather"`` stacks of one dtype.
+
+    With N devices and per-device gradients, every device packs all its gradients into a
+    flat buffer, device ``d``'s matrices in ``d``'s share, and one reduce-scatter (mean)
+    leaves each device the mean gradients of its own matrices. With reduced gradients
+    (plain jit) a device takes its own matrices directly. On one device it stacks.
+    """
+
+    def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
+                 comm: Collectives):
+        self.owner, self.comm, self.leaves = owner, comm, leaves
+        self.channel = owner.gather[dtype]
+        self.cache: dict[int, jax.Array] = {}
+        self.buffer = None
+        if comm.active and not comm.grads_reduced:
+            self.buffer = self._reduce_scatter(dtype)
+
+    def _reduce_scatter(self, dtype: Any) -> jax.Array:
+        ch, n = self.channel, self.comm.size
+        parts: list[list[jax.Array]] = [[] for _ in range(n)]
+        for k in ch.stacks:
+            sp = self.owner.stacks[k]
+            x = _take(self._stacked(sp.stack), _owner_major(sp))
+            x = x.reshape(x.shape[0], -1)
+            start = 0
+            for d, c in enumerate(sp.counts):
+                parts[d].append(x[start:start + c].reshape(-1))
+                start += c
+        buffer = jnp.concatenate(_device_rows(parts, ch.length, dtype))
+        return self.comm.mean_scatter(buffer, 0)
+
+    def _stacked(self, stack: Stack, prev: jax.Array | None = None) -> jax.Array:
+        return stack.stack([after(self.leaves[m.index], prev) for m in stack.members])
+
+    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+        """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``."""
+        sp = self.owner.stacks[k]
+        st = sp.stack
+        if self.buffer is not None:
+            size = st.rows * st.cols
+            start = self.comm.pick(self.channel.offsets[k])
+            x = _dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
+            return x.reshape(n, st.rows, st.cols)
+        # One stack's stacking copy at a time: it waits for the previous stack.
+        if k not in self.cache:
+            self.cache[k] = self._stacked(st, prev)
+        x = self.cache[k]
+        if self.comm.size == 1:
+            return x[j0:j0 + n]
+        mine = np.maximum(sp.slots, 0)[:, j0:j0 + n]   # an unowned slot reads matrix 0
+        return jnp.take(x, jnp.asarray(mine)[self.comm.index()], axis=0)
+
+
+class GatherSink:
+    """Directions of the ``"gather"`` stacks: this device's share, all-gathered."""
+
+    def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
+        self.owner, self.comm = owner, comm
+        self.channel = owner.gather[dtype]
+        self.stacked: dict[int, list[jax.Array]] = {}
+        # Also on a one-device axis: the all-gather marks the result replicated.
+        self.buffer = jnp.zeros(self.channel.length, dtype) if comm.active else None
+
+    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
+        if self.buffer is None:
+            self.stacked.setdefault(k, []).append(o)
+            return
+        st = self.owner.stacks[k].stack
+        start = self.comm.pick(self.channel.offsets[k]) + j0 * st.rows * st.cols
+        flat = o.reshape(-1)
+        if owned is not None:  # a slot this device may not own: keep what is there
+            flat = jnp.where(owned, flat, _dynamic_slice(self.buffer, start, flat.size, 0))
+        self.buffer = _dynamic_update(self.buffer, flat, start, 0)
+
+    def finish(self, out: dict[int, jax.Array]) -> None:
+        """Directions of every member leaf, leaf-shaped, into ``out`` (by leaf index)."""
+        if self.buffer is None:
+            for k, parts in self.stacked.items():
+                st = self.owner.stacks[k].stack
+                full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+                for m, leaf in zip(st.members, st.unstack(full)):
+                    out[m.index] = leaf
+            return
+        everything = self.comm.gather(self.buffer, 0)
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            st, slot_of = sp.stack, sp.slot_of()
+            size = st.rows * st.cols
+            start = 0
+            for m in st.members:
+                mats = [everything[p:p + size] for p in (
+                    self.channel.position(k, int(sp.owners[i]), int(slot_of[i]))
+                    for i in range(start, start + m.batch))]
+                start += m.batch
+                out[m.index] = m.from_stored(jnp.stack(mats).reshape(m.batch, st.rows, st.cols))
+
+
+# ------------------------------------------------------------------ exchange transport
+
+
+def _grid_to_matrix(route, x: jax.Array) -> jax.Array:
+    """``(n, blocks, block_size)`` (blocks row-major over the grid) -> ``(n, *mshape)``."""
+    n, g, b = x.shape[0], route.grid, route.block_shape
+    x = x.reshape((n,) + g + b)
+    dims = len(g)
+    perm = (0,) + tuple(a for i in range(dims) for a in (1 + i, 1 + dims + i))
+    return jnp.transpose(x, perm).reshape((n,) + route.mshape)
+
+
+def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
+    """Inverse of :func:`_grid_to_matrix`."""
+    n, g, b = x.shape[0], route.grid, route.block_shape
+    x = x.reshape((n,) + tuple(v for pair in zip(g, b) for v in pair))
+    dims = len(g)
+    perm = (0,) + tuple(1 + 2 * i for i in range(dims)) + tuple(2 + 2 * i for i in range(dims))
+    return jnp.transpose(x, perm).reshape(n, math.prod(g), route.block_size)
+
+
+class ExchangeSource:
+    """Owned matrices of the ``"exchange"`` stacks of one dtype, by one all-to-all.
+
+    Every device cuts its block of each matrix into ``replicas`` equal sub-pieces and
+    sends its owner the one matching its place among the block's holders, so all sources
+    send the same number of elements per matrix and the owner reassembles by a fixed
+    permutation.
+    """
+
+    def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
+                 comm: Collectives):
+        self.owner, self.comm = owner, comm
+        self.channel = owner.exchange[dtype]
+        n = comm.size
+        parts: list[list[jax.Array]] = [[] for _ in range(n)]
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            x = _take(self._pieces(sp, leaves), _owner_major(sp))
+            start = 0
+            for d, c in enumerate(sp.counts):
+                parts[d].append(x[start:start + c].reshape(-1))
+                start += c
+        self.received = comm.exchange(jnp.stack(_device_rows(parts, self.channel.length,
+                                                             dtype)))
+
+    def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> jax.Array:
+        """``(K, piece)``: this device's sub-piece of every matrix of the stack."""
+        route, out = sp.route, []
+        for m in sp.stack.members:
+            blocks = m.split_batch(leaves[m.index]).reshape(m.batch, route.block_size)
+            padded = route.replicas * route.piece
+            if padded > route.block_size:
+                blocks = jnp.pad(blocks, ((0, 0), (0, padded - route.block_size)))
+            blocks = blocks.reshape(m.batch, route.replicas, route.piece)
+            j = self.comm.pick(np.asarray(route.replica_of))
+            out.append(_dynamic_slice(blocks, j, 1, 1)[:, 0])
+        return jnp.concatenate(out) if len(out) > 1 else out[0]
+
+    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+        del prev
+        sp = self.owner.stacks[k]
+        route, member = sp.route, sp.stack.members[0]
+        start = self.comm.pick(self.channel.offsets[k]) + j0 * route.piece
+        x = _dynamic_slice(self.received, start, n * route.piece, 1)
+        x = _take(x.reshape(self.comm.size, n, route.piece), route.source_order)
+        x = jnp.transpose(x, (1, 0, 2)).reshape(n, math.prod(route.grid), -1)
+        x = x[:, :, :route.block_size]
+        return member.matrix_to_stored(_grid_to_matrix(route, x))
+
+
+class ExchangeSink:
+    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block."""
+
+    def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
+        self.owner, self.comm = owner, comm
+        self.channel = owner.back[dtype]
+        self.buffer = jnp.zeros((comm.size, self.channel.length), dtype)
+
+    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
+        sp = self.owner.stacks[k]
+        route, member = sp.route, sp.stack.members[0]
+        blocks = _matrix_to_grid(route, member.stored_to_matrix(o))
+        blocks = _take(blocks, np.asarray(route.block_of), axis=1)   # (n, N, block)
+        rows = jnp.transpose(blocks, (1, 0, 2)).reshape(self.comm.size, -1)
+        start = self.comm.pick(self.channel.offsets[k]) + j0 * route.block_size
+        if owned is not None:
+            rows = jnp.where(owned, rows, _dynamic_slice(self.buffer, start, rows.shape[1], 1))
+        self.buffer = _dynamic_update(self.buffer, rows, start, 1)
+
+    def finish(self, out: dict[int, jax.Array], local_shapes: dict[int, tuple]) -> None:
+        received = self.comm.exchange(self.buffer)
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            st, route, slot_of = sp.stack, sp.route, sp.slot_of()
+            start = 0
+            for m in st.members:
+                blocks = []
+                for i in range(start, start + m.batch):
+                    d = int(sp.owners[i])
+                    p = int(self.channel.offsets[k, d]) + int(slot_of[i]) * route.block_size
+                    blocks.append(received[d, p:p + route.block_size])
+                start += m.batch
+                y = jnp.stack(blocks).reshape((m.batch,) + route.block_shape)
+                out[m.index] = m.join_batch(y, local_shapes[m.index])
+
+
+# ------------------------------------------------------------------ local transport
+
+
+class LocalSource:
+    """The ``"local"`` stacks: each device's own matrices (its batch block of each leaf)."""
+
+    def __init__(self, owner: OwnerPlan, leaves: list[jax.Array]):
+        self.owner, self.leaves = owner, leaves
+        self.cache: dict[int, jax.Array] = {}
+
+    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+        if k not in self.cache:
+            st = self.owner.stacks[k].stack
+            parts = [m.to_stored(after(self.leaves[m.index], prev)) for m in st.members]
+            self.cache[k] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return self.cache[k][j0:j0 + n]
+
+
+class LocalSink:
+    def __init__(self, owner: OwnerPlan):
+        self.owner = owner
+        self.stacked: dict[int, list[jax.Array]] = {}
+
+    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
+        del j0, owned   # every device owns every slot of a local stack
+        self.stacked.setdefault(k, []).append(o)
+
+    def finish(self, out: dict[int, jax.Array], local_shapes: dict[int, tuple]) -> None:
+        for k, parts in self.stacked.items():
+            st = self.owner.stacks[k].stack
+            full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+            start = 0
+            for m in st.members:
+                count = local_shapes_batch(m, local_shapes[m.index])
+                out[m.index] = m.from_stored(full[start:start + count], local_shapes[m.index])
+                start += count
+
+
+def local_shapes_batch(m: MatrixLeaf, shape: tuple) -> int:
+    """Matrices in a block of leaf ``m`` of the given shape."""
+    return math.prod(shape[a] for a in m.batch_axes)
+
+
+# ------------------------------------------------------------------ all transports
+
+
+class Transports:
+    """The sources and sinks of every stack, by transport and dtype."""
+
+    def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
+        self.owner, self.comm = owner, comm
+        self.sources: dict[Any, Any] = {}
+        self.sinks: dict[Any, Any] = {}
+        for dt in owner.gather:
+            self.sources[GATHER, dt] = GatherSource(owner, dt, leaves, comm)
+            self.sinks[GATHER, dt] = GatherSink(owner, dt, comm)
+        for dt in owner.exchange:
+            self.sources[EXCHANGE, dt] = ExchangeSource(owner, dt, leaves, comm)
+            self.sinks[EXCHANGE, dt] = ExchangeSink(owner, dt, comm)
+        self.sources[LOCAL] = LocalSource(owner, leaves)
+        self.sinks[LOCAL] = LocalSink(owner)
+
+    def _key(self, k: int):
+        sp = self.owner.stacks[k]
+        return LOCAL if sp.transport == LOCAL else (sp.transport, sp.stack.dtype)
+
+    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+        return self.sources[self._key(k)].load(k, j0, n, prev)
+
+    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None = None) -> None:
+        self.sinks[self._key(k)].store(k, j0, o, owned)
+
+    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        """Every Muon leaf's direction, in its local (this device's) layout."""
+        out: dict[int, jax.Array] = {}
+        for key, sink in self.sinks.items():
+            if isinstance(sink, GatherSink):
+                sink.finish(out)
+            else:
+                sink.finish(out, local_shapes)
+        return out
