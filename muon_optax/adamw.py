@@ -13,13 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from muon_optax.hparams import AdamWConfig, value_at
+from muon_optax.hparams import AdamWConfig
 
 
 def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
     """The group's hyperparameters at step ``count`` (before it is incremented)."""
-    return {k: value_at(getattr(cfg, k), count)
-            for k in ("lr", "b1", "b2", "eps", "weight_decay")}
+    return cfg.at(count)
 
 
 def adamw_leaf_update(

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from muon_optax.hparams import MuonConfig, value_at
+from muon_optax.hparams import MuonConfig
 from muon_optax.polar import default_compute_dtype, polar_express_stack
 
 
@@ -54,8 +54,7 @@ def init_stack_state(k: int, rows: int, cols: int, dtype: Any,
 
 def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
     """The group's hyperparameters at step ``count`` (before it is incremented)."""
-    return {k: value_at(getattr(cfg, k), count)
-            for k in ("lr", "momentum", "beta2", "weight_decay")}
+    return cfg.at(count)
 
 
 def _input_scale(x: jax.Array, transposed: bool | jax.Array,

@@ -179,8 +179,12 @@ def build(
     axis_name: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     small_param_threshold: int = SMALL_PARAM_THRESHOLD,
+    name: str = "muon_adamw",
 ) -> optax.GradientTransformation:
-    """The engine behind :func:`muon_adamw`, :func:`muon_optax.muon` and ``adamw``."""
+    """The engine behind :func:`muon_adamw`, :func:`muon_optax.muon` and ``adamw``.
+
+    ``name`` is the constructor the user called; error messages start with it.
+    """
 
     def plan_for(params: Any, num_devices: int) -> Plan:
         return _make_plan(params, configs, param_labels, dimension_numbers, num_devices,
@@ -204,12 +208,12 @@ def build(
         needs_params = any(isinstance(c, MuonConfig) or c.needs_params()
                            for c in configs.values())
         if params is None and needs_params:
-            raise ValueError("muon_adamw: update needs the params (Muon's cautious weight "
+            raise ValueError(f"{name}: update needs the params (Muon's cautious weight "
                              "decay and AdamW's weight decay read them): call "
                              "tx.update(grads, state, params).")
         reference = grads if params is None else params
         if params is not None and jax.tree.structure(grads) != jax.tree.structure(params):
-            raise ValueError("muon_adamw: grads and params differ in structure:\n"
+            raise ValueError(f"{name}: grads and params differ in structure:\n"
                              f"grads:  {jax.tree.structure(grads)}\n"
                              f"params: {jax.tree.structure(params)}")
         comm = Collectives(axis_name, grads_reduced=mesh is not None)
@@ -218,10 +222,10 @@ def build(
         p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
         for path, g, x in zip(plan.paths, g_leaves, p_leaves or g_leaves):
             if tuple(g.shape) != tuple(x.shape):
-                raise ValueError(f"muon_adamw: the gradient of {path!r} has shape {g.shape}"
+                raise ValueError(f"{name}: the gradient of {path!r} has shape {g.shape}"
                                  f" but the parameter has shape {x.shape}.")
         if len(state.muon) != len(plan.stacks):
-            raise ValueError("muon_adamw: the state was made for other params (its Muon "
+            raise ValueError(f"{name}: the state was made for other params (its Muon "
                              "stacks differ); call tx.init on these params.")
 
         count = state.count
@@ -258,7 +262,8 @@ def build(
 
     if mesh is not None:
         init_fn, update_fn = _wrap_in_shard_map(init_fn, update_fn, state_specs, mesh)
-    return optax.GradientTransformation(_Init(init_fn, state_specs, stack_info), update_fn)
+    return optax.GradientTransformation(_Init(init_fn, state_specs, stack_info, configs),
+                                        update_fn)
 
 
 def _wrap_in_shard_map(init_fn, update_fn, state_specs, mesh):
@@ -285,8 +290,10 @@ def _wrap_in_shard_map(init_fn, update_fn, state_specs, mesh):
 class _Init:
     """``tx.init``, carrying what :func:`muon_optax.state_specs` needs to know."""
 
-    def __init__(self, fn: Callable, state_specs: Callable, stack_info: Callable):
+    def __init__(self, fn: Callable, state_specs: Callable, stack_info: Callable,
+                 configs: Mapping[str, AdamWConfig | MuonConfig]):
         self._fn, self.state_specs, self.stack_info = fn, state_specs, stack_info
+        self.configs = dict(configs)  # group name -> config, for current_hyperparams
 
     def __call__(self, params: Any) -> MuonAdamWState:
         return self._fn(params)
@@ -388,7 +395,7 @@ def muon(
     cfg = MuonConfig.make(lr, momentum, ns_steps, beta2, weight_decay, row_equilibration,
                           renormalize, compute_dtype, polar_method, where="muon")
     return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
-                 dimension_numbers=dimension_numbers)
+                 dimension_numbers=dimension_numbers, name="muon")
 
 
 def adamw(
@@ -412,4 +419,5 @@ def adamw(
       An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
     """
     cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
-    return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params))
+    return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params),
+                 name="adamw")

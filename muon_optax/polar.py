@@ -15,10 +15,12 @@ one XLA program, which is what nanochat gets from torch.compile'd kernels.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), as given
 # in the paper and used by nanochat. Iteration k uses the k-th triple (a, b, c).
@@ -37,9 +39,24 @@ def default_compute_dtype() -> jnp.dtype:
 
 
 def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
-    """``ns_steps`` is a static Python int in 1..5: it sets the program's length."""
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
-        raise TypeError(f"{where}: ns_steps must be a Python int in 1..5, got {ns_steps!r}.")
+    """``ns_steps`` is a static int in 1..5 (Python or NumPy): it sets the program's length.
+
+    A JAX array is refused even when concrete: ``optax.inject_hyperparams`` turns every
+    number it is given into one, traced under jit, so it must be told to leave
+    ``ns_steps`` alone.
+    """
+    if isinstance(ns_steps, jax.Array):
+        raise TypeError(
+            f"{where}: ns_steps must be a Python int in 1..5, got a JAX array "
+            f"({ns_steps!r}); it is static (it sets the program's length). With "
+            "optax.inject_hyperparams pass static_args=(\"ns_steps\",).")
+    try:
+        if isinstance(ns_steps, (bool, np.bool_)):
+            raise TypeError
+        ns_steps = operator.index(ns_steps)  # int, NumPy integer, 0-d integer ndarray
+    except TypeError:
+        raise TypeError(f"{where}: ns_steps must be a Python int in 1..5, "
+                        f"got {ns_steps!r}.") from None
     if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
         raise ValueError(
             f"{where}: ns_steps={ns_steps} is outside 1..{len(POLAR_EXPRESS_COEFFS)}; Polar "
