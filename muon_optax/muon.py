@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from muon_optax.adamw import update_in_param_dtype
 from muon_optax.hparams import MuonConfig
 from muon_optax.polar import default_compute_dtype, polar_express_stack
 
@@ -145,9 +146,11 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
     """Step 9: ``P_new - P = -lr O - lr wd P [O P >= 0]``, in the parameter's dtype.
 
     Weight decay acts only where the update and the weight agree in sign. ``lr``
-    includes the aspect-ratio factor. Elementwise, so it runs on each leaf in its own
-    layout, after the stacked directions are split back.
+    includes the aspect-ratio factor. Float32 arithmetic; ``P_new`` is rounded once to
+    the parameter dtype (:func:`muon_optax.adamw.update_in_param_dtype`). Elementwise,
+    so it runs on each leaf in its own layout, after the stacked directions are split
+    back.
     """
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
     update = -lr * o32 - (lr * weight_decay) * jnp.where(o32 * p32 >= 0, p32, 0.0)
-    return update.astype(p.dtype)
+    return update_in_param_dtype(p32, update, p.dtype)
