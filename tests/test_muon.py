@@ -106,3 +106,21 @@ def test_cautious_update_rounds_bf16_params_once(p_std, lr):
     P, O = to64(p), to64(o)
     want = rounded_once(P - lr * O - lr * 0.2 * P * (O * P >= 0))
     assert_rounded_once(p, to64(optax.apply_updates(p, u)), want)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_step_has_no_bf16_scalars(param_dtype, monkeypatch):
+    # A Python float times a bf16 array is a bf16 literal: no scalar of the rule may be
+    # rounded to bf16 anywhere in the step (the polar coefficients were).
+    import re
+
+    monkeypatch.setattr(polar, "CPU_PER_MATRIX_MAX", 0)
+    params = {"w": jnp.ones((3, 16, 48), param_dtype), "v": jnp.ones((48, 16), param_dtype),
+              "b": jnp.ones(16, param_dtype)}
+    groups = {"m": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
+                        weight_decay=0.1, compute_dtype=jnp.bfloat16),
+              "a": dict(kind="adamw", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)}
+    tx = muon_optax.muon_adamw(groups, muon_optax.label_by_path(matrix="m", other="a"))
+    jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+    assert "bf16" in jaxpr
+    assert not re.search(r":bf16\[\]", jaxpr), sorted(set(re.findall(r"\S+:bf16\[\]", jaxpr)))
