@@ -5,7 +5,8 @@
     p = p - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
 All arithmetic is float32 whatever the parameter dtype; the moments are stored in the
-parameter's dtype. ``optax.adamw`` computes the same function.
+parameter's dtype, and the new parameter is rounded to it once (see
+:func:`update_in_param_dtype`). ``optax.adamw`` computes the same function.
 """
 
 from __future__ import annotations
@@ -13,13 +14,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from muon_optax.hparams import AdamWConfig, value_at
+from muon_optax.hparams import AdamWConfig
+
+
+def update_in_param_dtype(p32: jax.Array, update32: jax.Array, dtype) -> jax.Array:
+    """``P_new - P`` in the parameter dtype, such that ``P + update`` rounds only once.
+
+    The rule computes ``P_new`` in float32 and rounds it once to the parameter dtype. An
+    update cast to bf16 and then added by ``optax.apply_updates`` is rounded twice
+    (``u``, then ``P + u``): 0.2% to 5% of the elements of a bf16 step ended one ulp
+    off. So below float32 the new parameter is rounded once here and the update is the
+    difference of two numbers of that dtype, taken in float32: exact in the dtype
+    whenever ``P_new`` is within a factor 2 of ``P`` (Sterbenz), so ``apply_updates``
+    gives ``P_new`` back bit for bit. The update keeps the parameter's dtype (no float32
+    copy of every update). float32 updates are returned as computed.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.finfo(dtype).bits >= 32:
+        return update32.astype(dtype)
+    p_new32 = (p32 + update32).astype(dtype).astype(jnp.float32)
+    # where equal, 0: an inf parameter that stays inf gets 0, not inf - inf
+    return jnp.where(p_new32 == p32, 0.0, p_new32 - p32).astype(dtype)
 
 
 def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
     """The group's hyperparameters at step ``count`` (before it is incremented)."""
-    return {k: value_at(getattr(cfg, k), count)
-            for k in ("lr", "b1", "b2", "eps", "weight_decay")}
+    return cfg.at(count)
 
 
 def adamw_leaf_update(
@@ -29,7 +49,8 @@ def adamw_leaf_update(
     """One AdamW step on a parameter (or a slice of one): ``(update, m, v)``.
 
     ``t`` is the 1-based step number. ``p`` may be None when weight decay is off. The
-    update is ``p_new - p`` in the parameter's dtype.
+    update is ``p_new - p`` in the parameter's dtype, ``p_new`` rounded once to it (without
+    ``p``, a bf16 update is rounded, and ``p + update`` once more).
     """
     f32 = jnp.float32
     lr, b1, b2 = hp["lr"], hp["b1"], hp["b2"]
@@ -39,8 +60,8 @@ def adamw_leaf_update(
     t = t.astype(f32)
     step = (lr / (1 - b1**t)) * m32 / (jnp.sqrt(v32 / (1 - b2**t)) + hp["eps"])
     if p is None:
-        update = -step
+        update = (-step).astype(g.dtype)
     else:  # (p * (1 - lr wd) - step) - p, with the decay term kept exact for small lr*wd
-        update = -(lr * hp["weight_decay"]) * p.astype(f32) - step
-    dtype = g.dtype if p is None else p.dtype
-    return update.astype(dtype), m32.astype(m.dtype), v32.astype(v.dtype)
+        p32 = p.astype(f32)
+        update = update_in_param_dtype(p32, -(lr * hp["weight_decay"]) * p32 - step, p.dtype)
+    return update, m32.astype(m.dtype), v32.astype(v.dtype)

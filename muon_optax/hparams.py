@@ -39,15 +39,42 @@ def value_at(x: Scalar, count: jax.Array) -> jax.Array:
 
 
 def _check_scalar(value: Any, name: str, where: str) -> Scalar:
+    """A number becomes a Python float; a 0-d array (traced or not) stays an array.
+
+    ``optax.inject_hyperparams`` hands every hyperparameter in as a 0-d ``jnp`` array,
+    traced under jit, so an array is taken as is and never compared in Python.
+    """
     if callable(value):
         return value
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
         return float(value)
     if (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
-            and jnp.issubdtype(value.dtype, jnp.floating)):
+            and (jnp.issubdtype(value.dtype, jnp.floating)
+                 or jnp.issubdtype(value.dtype, jnp.integer))):
         return value
     raise TypeError(f"{where}: {name} must be a float or an optax schedule "
                     f"(a callable of the step count), got {value!r}.")
+
+
+def _check_compute_dtype(compute_dtype: Any, where: str) -> Any:
+    if compute_dtype is None:
+        return None
+    if isinstance(compute_dtype, (jax.Array, np.ndarray)):
+        # optax.inject_hyperparams calls jnp.float32 as a schedule: an array comes back.
+        raise TypeError(
+            f"{where}: compute_dtype must be a dtype, got an array ({compute_dtype!r}). "
+            "With optax.inject_hyperparams, a dtype such as jnp.bfloat16 is callable and "
+            "taken for a schedule: pass static_args=(\"ns_steps\", \"compute_dtype\") "
+            "or the dtype's name (\"bfloat16\").")
+    try:
+        compute_dtype = jnp.dtype(compute_dtype)
+    except TypeError as e:
+        raise TypeError(f"{where}: compute_dtype {compute_dtype!r} is not a dtype; "
+                        "use jnp.float32 or jnp.bfloat16 (or None for the "
+                        "backend's default).") from e
+    if not jnp.issubdtype(compute_dtype, jnp.floating):
+        raise TypeError(f"{where}: compute_dtype must be a float dtype, got {compute_dtype}.")
+    return compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +96,17 @@ class AdamWConfig:
             (weight_decay, "weight_decay"))))
 
     def needs_params(self) -> bool:
-        return callable(self.weight_decay) or self.weight_decay != 0.0
+        """Whether ``update`` reads the params: weight decay not known to be zero.
+
+        A schedule or an array (traced, say, under ``optax.inject_hyperparams``) may be
+        nonzero at some step, and a traced value cannot be tested here.
+        """
+        return not isinstance(self.weight_decay, float) or self.weight_decay != 0.0
+
+    def at(self, count: jax.Array) -> dict[str, jax.Array]:
+        """The hyperparameters at step ``count`` (steps taken before this one)."""
+        return {k: value_at(getattr(self, k), count)
+                for k in ("lr", "b1", "b2", "eps", "weight_decay")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +127,7 @@ class MuonConfig:
     def make(cls, lr, momentum, ns_steps, beta2, weight_decay, row_equilibration=True,
              renormalize=True, compute_dtype=None, polar_method="auto",
              where="muon") -> MuonConfig:
-        check_ns_steps(ns_steps, where)
+        ns_steps = check_ns_steps(ns_steps, where)
         if polar_method not in ("direct", "gram", "auto"):
             raise ValueError(f"{where}: polar_method must be 'direct' (the rule as written), "
                              f"'gram' or 'auto', got {polar_method!r}.")
@@ -98,16 +135,7 @@ class MuonConfig:
                            (renormalize, "renormalize")):
             if not isinstance(flag, bool):
                 raise TypeError(f"{where}: {name} must be True or False, got {flag!r}.")
-        if compute_dtype is not None:
-            try:
-                compute_dtype = jnp.dtype(compute_dtype)
-            except TypeError as e:
-                raise TypeError(f"{where}: compute_dtype {compute_dtype!r} is not a dtype; "
-                                "use jnp.float32 or jnp.bfloat16 (or None for the "
-                                "backend's default).") from e
-            if not jnp.issubdtype(compute_dtype, jnp.floating):
-                raise TypeError(f"{where}: compute_dtype must be a float dtype, "
-                                f"got {compute_dtype}.")
+        compute_dtype = _check_compute_dtype(compute_dtype, where)
         return cls(
             lr=_check_scalar(lr, "lr", where),
             momentum=_check_scalar(momentum, "momentum", where),
@@ -115,6 +143,11 @@ class MuonConfig:
             weight_decay=_check_scalar(weight_decay, "weight_decay", where),
             ns_steps=ns_steps, row_equilibration=row_equilibration,
             renormalize=renormalize, compute_dtype=compute_dtype, polar_method=polar_method)
+
+    def at(self, count: jax.Array) -> dict[str, jax.Array]:
+        """The hyperparameters at step ``count`` (steps taken before this one)."""
+        return {k: value_at(getattr(self, k), count)
+                for k in ("lr", "momentum", "beta2", "weight_decay")}
 
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
@@ -151,7 +184,8 @@ def parse_group(name: str, group: Mapping[str, Any]) -> AdamWConfig | MuonConfig
     missing = [k for k in required if k not in group]
     if missing:
         raise ValueError(f"{where}: missing hyperparameter {', '.join(missing)} for "
-                         f"kind={kind!r}; a {kind} group needs {', '.join(required)}.")
+                         f"kind={kind!r}; {'an' if kind == 'adamw' else 'a'} {kind} group "
+                         f"needs {', '.join(required)}.")
     hp = {k: v for k, v in group.items() if k != "kind"}
     if kind == "adamw":
         return AdamWConfig.make(where=where, **hp)
@@ -162,3 +196,48 @@ def parse_groups(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, AdamWConf
     if not isinstance(groups, Mapping) or not groups:
         raise TypeError("groups must be a non-empty dict: group name -> dict(kind=..., ...).")
     return {str(name): parse_group(str(name), g) for name, g in groups.items()}
+
+
+def _configs_of(groups_or_tx: Any) -> dict[str, AdamWConfig | MuonConfig]:
+    configs = getattr(getattr(groups_or_tx, "init", None), "configs", None)
+    if configs is not None:
+        return dict(configs)
+    if isinstance(groups_or_tx, Mapping) and groups_or_tx:
+        if all(isinstance(c, (AdamWConfig, MuonConfig)) for c in groups_or_tx.values()):
+            return dict(groups_or_tx)
+        return parse_groups(groups_or_tx)
+    raise TypeError(
+        "current_hyperparams: pass the transformation made by muon_adamw (or muon, adamw) "
+        "itself, not one wrapped by optax.chain or others, or the groups dict given to "
+        f"muon_adamw; got {type(groups_or_tx).__name__}.")
+
+
+def _count_of(state: Any) -> jax.Array:
+    count = getattr(state, "count", state)
+    integral = (isinstance(count, (int, np.integer)) and not isinstance(count, (bool, np.bool_))
+                or isinstance(count, (jax.Array, np.ndarray)) and count.ndim == 0
+                and jnp.issubdtype(count.dtype, jnp.integer))
+    if not integral:
+        raise TypeError(
+            "current_hyperparams: state must be the muon_adamw state (a MuonAdamWState, "
+            "whose count is the number of steps taken) or that step count; from a chain's "
+            f"state pass its muon_adamw part, e.g. state[1]. Got {type(state).__name__}.")
+    return jnp.asarray(count)
+
+
+def current_hyperparams(groups_or_tx: Any, state: Any) -> dict[str, dict[str, jax.Array]]:
+    """Each group's hyperparameters for the next update, schedules evaluated: for logging.
+
+    Args:
+      groups_or_tx: the transformation returned by :func:`muon_optax.muon_adamw` (or
+        ``muon``, ``adamw``), or the ``groups`` dict given to ``muon_adamw``.
+      state: its state (the step count ``state.count`` is read), or the count itself.
+
+    Returns:
+      ``{group: {name: float32 scalar}}``, the values ``tx.update(grads, state, params)``
+      uses next: ``lr, b1, b2, eps, weight_decay`` for AdamW groups, ``lr, momentum,
+      beta2, weight_decay`` for Muon groups (a matrix with more rows than columns
+      steps with ``lr * sqrt(rows / cols)``). Works eagerly and under jit.
+    """
+    configs, count = _configs_of(groups_or_tx), _count_of(state)
+    return {name: cfg.at(count) for name, cfg in configs.items()}

@@ -3,7 +3,7 @@
 A label tree has the params' structure with a group name at every leaf, as in
 ``optax.partition``. Flax users rarely want to write one by hand, so
 :func:`label_by_path` builds it from regular expressions on the ``/``-joined path
-(``"blocks/0/attn/c_q/kernel"``) with a shape-based fallback.
+(``"blocks/0/attn/c_q/kernel"``), then by the leaf's name, then by its rank.
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ def path_str(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+# Leaf names that are never matrices, whatever their rank: biases, (norm) scales and
+# embedding tables in Flax's naming (Linen and NNX ``Dense``/``LayerNorm``/``Embed``). A
+# scanned layer stack makes every bias and scale ``(L, d)``, a ``DenseGeneral`` bias is
+# ``(..., heads, d)``: rank alone would send them to Muon.
+OTHER_NAMES = re.compile(r"(^|_)(bias|scale|embedding|embeddings|embed)$", re.IGNORECASE)
+
+
+def _leaf_name(name: str) -> str:
+    """The last component of a ``/``-joined path: the parameter's own name."""
+    return name.rsplit("/", 1)[-1]
+
+
 def label_by_path(
     rules: Sequence[tuple[str, str]] = (),
     *,
@@ -47,8 +59,13 @@ def label_by_path(
     Args:
       rules: ``(regex, group)`` pairs, tried in order with ``re.search`` on each
         leaf's ``/``-joined path; the first match names the leaf's group.
-      matrix: group of an unmatched leaf with two or more axes.
-      other: group of an unmatched scalar or vector leaf.
+      matrix: group of an unmatched leaf with two or more axes (a ``kernel``, a
+        ``weight``), unless its name says otherwise (below).
+      other: group of an unmatched scalar or vector leaf, and of an unmatched leaf
+        whose last path component names a bias, a scale or an embedding (``bias``,
+        ``scale``, ``embedding``, ``embed``, or ending in ``_bias``, ``_scale``,
+        ``_embedding``, ``_embed``), whatever its rank: a scanned layer's ``(L, d)``
+        bias or norm scale, a ``DenseGeneral`` bias, an ``nnx.Embed`` table.
 
     Example, nanochat's split for a Flax GPT::
 
@@ -70,6 +87,8 @@ def label_by_path(
         for pattern, group in compiled:
             if pattern.search(name):
                 return group
+        if OTHER_NAMES.search(_leaf_name(name)):
+            return other
         return matrix if getattr(leaf, "ndim", 0) >= 2 else other
 
     return lambda params: jax.tree_util.tree_map_with_path(label, params)

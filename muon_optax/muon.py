@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from muon_optax.hparams import MuonConfig, value_at
+from muon_optax.adamw import update_in_param_dtype
+from muon_optax.hparams import MuonConfig
 from muon_optax.polar import default_compute_dtype, polar_express_stack
 
 
@@ -54,8 +55,7 @@ def init_stack_state(k: int, rows: int, cols: int, dtype: Any,
 
 def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
     """The group's hyperparameters at step ``count`` (before it is incremented)."""
-    return {k: value_at(getattr(cfg, k), count)
-            for k in ("lr", "momentum", "beta2", "weight_decay")}
+    return cfg.at(count)
 
 
 def _input_scale(x: jax.Array, transposed: bool | jax.Array,
@@ -174,9 +174,11 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
     """Step 9: ``P_new - P = -lr O - lr wd P [O P >= 0]``, in the parameter's dtype.
 
     Weight decay acts only where the update and the weight agree in sign. ``lr``
-    includes the aspect-ratio factor. Elementwise, so it runs on each leaf in its own
-    layout, after the stacked directions are split back.
+    includes the aspect-ratio factor. Float32 arithmetic; ``P_new`` is rounded once to
+    the parameter dtype (:func:`muon_optax.adamw.update_in_param_dtype`). Elementwise,
+    so it runs on each leaf in its own layout, after the stacked directions are split
+    back.
     """
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
     update = -lr * o32 - (lr * weight_decay) * jnp.where(o32 * p32 >= 0, p32, 0.0)
-    return update.astype(p.dtype)
+    return update_in_param_dtype(p32, update, p.dtype)

@@ -156,7 +156,6 @@ def adamw(
     axis_name: str | tuple[str, ...] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
-    small_param_threshold: int = SMALL_PARAM_THRESHOLD,
 ) -> optax.GradientTransformation:
     """AdamW on every leaf, with nanochat's hyperparameter names.
 
@@ -168,8 +167,9 @@ def adamw(
       betas: ``(b1, b2)``, the decay rates of the first and second moments.
       eps: added to the root of the second moment.
       weight_decay: decoupled decay, multiplied by ``lr``; needs ``params`` in ``update``.
-      axis_name, mesh, param_specs, small_param_threshold: sharding, as in
-        :func:`muon_optax.muon_adamw`.
+      axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw` (no
+        numeric options here, so that ``optax.inject_hyperparams`` sees only the
+        hyperparameters).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
@@ -177,5 +177,4 @@ def adamw(
     cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
     _check_sharding_args(axis_name, mesh, "adamw")
     return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params),
-                 axis_name=axis_name, mesh=mesh, param_specs=param_specs,
-                 small_param_threshold=small_param_threshold, name="adamw")
+                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name="adamw")

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
@@ -80,8 +81,9 @@ def test_missing_kind():
 def test_missing_hyperparameter(kind, key):
     group = {k: v for k, v in (muon_group() if kind == "muon" else adamw_group()).items()
              if k != key}
+    article = "an" if kind == "adamw" else "a"
     with pytest.raises(ValueError, match=rf"group 'g': missing hyperparameter {key} for "
-                                         rf"kind='{kind}'; a {kind} group needs"):
+                                         rf"kind='{kind}'; {article} {kind} group needs"):
         build({"g": group}, labels=lambda p: jax.tree.map(lambda _: "g", p))
 
 
@@ -122,6 +124,20 @@ def test_bad_ns_steps(ns_steps, exc, msg):
         muon_optax.orthogonalize(jnp.ones((4, 4)), ns_steps)
 
 
+@pytest.mark.parametrize("ns_steps", [np.int64(3), np.int32(3), np.array(3)])
+def test_numpy_integer_ns_steps(ns_steps):
+    tx = muon_optax.muon(0.02, ns_steps=ns_steps)
+    assert type(tx.init.configs["muon"].ns_steps) is int
+    build({"m": muon_group(ns_steps=ns_steps), "a": adamw_group()})
+    assert muon_optax.orthogonalize(jnp.eye(4), ns_steps).shape == (4, 4)
+
+
+@pytest.mark.parametrize("ns_steps", [np.bool_(True), np.float64(3.0), jnp.array(3)])
+def test_bad_numpy_or_jax_ns_steps(ns_steps):
+    with pytest.raises(TypeError, match=r"muon: ns_steps must be a Python int in 1\.\.5"):
+        muon_optax.muon(0.02, ns_steps=ns_steps)
+
+
 @pytest.mark.parametrize("value", ["abc", [0.1], jnp.array([0.1, 0.2])])
 def test_bad_scalar(value):
     with pytest.raises(TypeError, match=r"group 'a': lr must be a float or an optax schedule"):
@@ -157,6 +173,22 @@ def test_update_without_params(jit):
     with pytest.raises(ValueError, match=r"update needs the params .*"
                                          r"tx\.update\(grads, state, params\)"):
         update(PARAMS, state)
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda: muon_optax.muon(0.02), "muon"),
+    (lambda: muon_optax.adamw(0.01, weight_decay=0.1), "adamw"),
+    (lambda: muon_optax.muon_adamw(GROUPS, muon_optax.label_by_path(matrix="m", other="a")),
+     "muon_adamw"),
+])
+def test_update_errors_name_the_constructor(make, name):
+    tx = make()
+    params = {"w": jnp.zeros((4, 8))}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=rf"^{name}: update needs the params"):
+        tx.update(params, state)
+    with pytest.raises(ValueError, match=rf"^{name}: the gradient of 'w' has shape"):
+        tx.update({"w": jnp.zeros((8, 4))}, state, params)
 
 
 def test_update_without_params_is_fine_without_weight_decay():

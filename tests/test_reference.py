@@ -17,7 +17,9 @@ try:
 except ImportError:  # tests/ is not a package: pytest puts tests/ on sys.path
     import reference as ref
 
-PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+# ../shared/peers of the checkout, or of a directory above it (a git worktree's).
+PEERS = next((d / "shared" / "peers" for d in Path(__file__).resolve().parents[1:]
+              if (d / "shared" / "peers").is_dir()), Path("shared/peers"))
 
 MUON_HP = {"lr": 0.02, "momentum": 0.95, "beta2": 0.9, "weight_decay": 0.1, "ns_steps": 5}
 ADAMW_HP = {"lr": 0.01, "b1": 0.8, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.1}

@@ -1,0 +1,92 @@
+"""label_by_path's default on Flax models: names before ranks."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import muon_optax
+
+
+def labelled(tree, labels=None):
+    labels = muon_optax.label_by_path() if labels is None else labels
+    flat = jax.tree_util.tree_flatten_with_path(labels(tree))[0]
+    return {muon_optax.path_str(p): label for p, label in flat}
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.LayerNorm()(x)
+        h = nn.DenseGeneral((4, 8))(h)             # kernel (16, 4, 8), bias (4, 8)
+        return x + nn.Dense(16)(h.reshape(h.shape[:-2] + (32,))), None
+
+
+class LinenScanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=3)
+        return stack()(x, None)[0]
+
+
+def test_linen_scanned_biases_and_scales_go_to_other():
+    params = LinenScanned().init(jax.random.PRNGKey(0), jnp.ones((2, 16)))["params"]
+    shapes = {muon_optax.path_str(p): x.shape
+              for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    block = "ScanLinenBlock_0"
+    assert shapes[f"{block}/LayerNorm_0/scale"] == (3, 16)
+    assert shapes[f"{block}/DenseGeneral_0/bias"] == (3, 4, 8)
+    assert labelled(params) == {
+        f"{block}/LayerNorm_0/scale": "adamw", f"{block}/LayerNorm_0/bias": "adamw",
+        f"{block}/DenseGeneral_0/kernel": "muon", f"{block}/DenseGeneral_0/bias": "adamw",
+        f"{block}/Dense_0/kernel": "muon", f"{block}/Dense_0/bias": "adamw"}
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.rms = nnx.RMSNorm(8, rngs=rngs)
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+        self.wte = nnx.Embed(10, 8, rngs=rngs)
+
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(key):
+            return NnxBlock(nnx.Rngs(key))
+
+        self.layers = make(jax.random.split(rngs.params(), 3))
+        self.logit_scale = nnx.Param(jnp.ones((1, 1)))
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_nnx_scanned_layers_and_embedding(pure):
+    state = nnx.state(NnxModel(nnx.Rngs(0)), nnx.Param)
+    if pure:
+        state = nnx.as_pure(state)
+    assert labelled(state) == {
+        "wte/embedding": "adamw", "logit_scale": "adamw",
+        "layers/linear/kernel": "muon", "layers/linear/bias": "adamw",
+        "layers/norm/scale": "adamw", "layers/norm/bias": "adamw",
+        "layers/rms/scale": "adamw"}
+
+
+def test_names_and_ranks_in_plain_trees():
+    tree = {"bias": jnp.ones((3, 4)), "q_bias": jnp.ones((3, 4)), "Scale": jnp.ones((3, 4)),
+            "pos_embed": jnp.ones((16, 8)), "embeddings": jnp.ones((16, 8)),
+            "kernel": jnp.ones((4, 8)), "weight": jnp.ones((2, 4, 8)), "w": jnp.ones((4, 8)),
+            "unbiased": jnp.ones((4, 8)), "gain": jnp.ones(8), "kernel_1d": jnp.ones(8)}
+    got = labelled(tree, muon_optax.label_by_path(matrix="m", other="o"))
+    assert got == {"bias": "o", "q_bias": "o", "Scale": "o", "pos_embed": "o",
+                   "embeddings": "o", "kernel": "m", "weight": "m", "w": "m",
+                   "unbiased": "m", "gain": "o", "kernel_1d": "o"}
+
+
+def test_rules_come_before_names():
+    tree = {"wte": {"embedding": jnp.ones((16, 8))}, "attn": {"bias": jnp.ones((4, 8))}}
+    labels = muon_optax.label_by_path([("attn/bias", "muon"), ("wte", "embed")])
+    assert labelled(tree, labels) == {"wte/embedding": "embed", "attn/bias": "muon"}
