@@ -1,26 +1,24 @@
-"""What the sharded (ZeRO-2) step costs per device, read from the compiled programs.
+"""What a sharded step costs per device, read from the compiled programs.
 
-For the nanochat-like set (default d256 x 4 layers, vocab 4096) on N = 1, 2, 4, 8
-simulated CPU devices (``--xla_force_host_platform_device_count``), this compiles the
-train-step ``shard_map(tx.update + apply)`` of ``muon_optax.muon_adamw(...,
-axis_name="data")`` with ``muon_optax.state_specs`` and reports:
+On N = 1, 2, 4, 8 simulated CPU devices, each contender's train step (update + apply) is
+compiled on a ``("data",)`` mesh. Per device: params and state bytes (addressable shards, max
+over devices), FLOPs (``cost_analysis``; a ``lax.scan``'s body counts once), temporaries, and
+the collectives in the HLO with the bytes each device sends on a ring, against one ring
+all-reduce of the gradients. "x total/N" divides by the contender's own N = 1 figure.
 
-* optimizer-state bytes per device, summed over the actual sharded state arrays'
-  addressable shards on each device (max over devices);
-* FLOPs per device, ``compiled.cost_analysis()["flops"]`` of the per-device program;
-* collective bytes per step, parsed from the compiled HLO text (see ``collectives``);
-* the same state bytes and FLOPs for ``optax.contrib.muon`` under plain ``jax.jit``
-  with params, grads and state replicated (``NamedSharding(mesh, P())``) on the mesh;
-* the Muon load balance, analytically: ours (``tx.init.stack_info``, each device runs
-  ``padded / N`` slots of every stack, padding included) against nanochat's
-  ``DistMuonAdamW`` (one stack per (group, PyTorch shape), ``chunk = ceil(K / N)``
-  state slots per device; device d computes its ``min(chunk, K - d * chunk)`` real
-  matrices).
+Contenders (``CONTENDERS``: a name -> a function building the step on one mesh):
 
-Targets, checked per N: state and Muon FLOPs per device <= 1.1 x (total / N);
-collective bytes per step <= one ring all-reduce of the gradients.
+  muon_optax      ZeRO-2: muon_adamw(axis_name="data") inside shard_map, each device's own
+                  unreduced gradients, state sharded by state_specs
+  muon_optax_jit  muon_adamw(axis_name="data", mesh=mesh) under plain jit: averaged
+                  (replicated) gradients in, its own shard_map inside
+  optax_contrib   optax.contrib.muon under plain jit, params, grads and state replicated
 
-    PYTHONPATH=. python benchmarks/sharded.py [--n-embd 256 --n-layer 4 --vocab 4096]
+A second table gives the Muon load balance analytically, for wider sets too: muon_optax's
+stacks against nanochat's DistMuonAdamW (a stack per PyTorch shape, chunks of ceil(K/N)).
+
+  PYTHONPATH=. python benchmarks/sharded.py                       # d256x4, vocab 4096
+  PYTHONPATH=. python benchmarks/sharded.py --quick               # d64x2, N = 1, 8
 """
 
 from __future__ import annotations
@@ -28,19 +26,15 @@ from __future__ import annotations
 import os
 
 MAX_DEVICES = 8
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform"
-                               f"_device_count={MAX_DEVICES}").strip()
+_FLAG = "--xla_force_host_platform_device_count"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):  # before jax is imported
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}={MAX_DEVICES}".strip()
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import dataclasses  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
@@ -48,364 +42,182 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import muon_optax  # noqa: E402
 import muon_optax.polar  # noqa: E402
-from benchmarks.params import (  # noqa: E402
-    block_shapes,
-    muon_flops,
-    nanochat_groups,
-    nanochat_labels,
-    nanochat_params,
-    optax_contrib_muon,
-    polar_flops,
-    random_grads,
-    tree_bytes,
-)
-
-TOLERANCE = 1.1  # per-device state and FLOPs may be at most this times total / N
-MB = 2 ** 20
+from benchmarks import common  # noqa: E402
+from benchmarks.common import MB, fmt, md_table  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--dtype", default="float32", help="parameter dtype")
+@dataclasses.dataclass
+class Problem:
+    """What a contender builds its step from: one mesh and the problem (NumPy)."""
+    mesh: jax.sharding.Mesh
+    n: int
+    params: Any
+    grads: Any
+    groups: dict[str, Any]
+    labels: Any
+
+
+class Case(NamedTuple):
+    """A contender's step on one mesh: ``step(*args)`` returns ``(params, state)``."""
+    step: Callable  # jitted
+    args: tuple  # (params, state, grads), placed as the contender places them
+
+
+def _apply(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+    return step
+
+
+def zero2(m: Problem) -> Case:
+    tx = muon_optax.muon_adamw(m.groups, m.labels, axis_name="data")
+    specs = muon_optax.state_specs(tx, m.params, m.mesh)
+    params = jax.device_put(m.params, NamedSharding(m.mesh, P()))
+    state = jax.jit(jax.shard_map(tx.init, mesh=m.mesh, in_specs=P(), out_specs=specs))(params)
+    own = jax.tree.map(lambda g: np.stack([g] * m.n), m.grads)  # each device's gradients
+    own = jax.device_put(own, NamedSharding(m.mesh, P("data")))
+    step = _apply(tx)
+    return Case(jax.jit(jax.shard_map(lambda p, s, g: step(p, s, jax.tree.map(lambda x: x[0], g)),
+                                      mesh=m.mesh, in_specs=(P(), specs, P("data")),
+                                      out_specs=(P(), specs))), (params, state, own))
+
+
+def zero2_jit(m: Problem) -> Case:
+    tx = muon_optax.muon_adamw(m.groups, m.labels, axis_name="data", mesh=m.mesh)
+    params, grads = jax.device_put((m.params, m.grads), NamedSharding(m.mesh, P()))
+    return Case(jax.jit(_apply(tx)), (params, jax.jit(tx.init)(params), grads))
+
+
+def contrib_replicated(m: Problem) -> Case:
+    tx, repl = common.optax_contrib_muon(m.params), NamedSharding(m.mesh, P())
+    params, grads = jax.device_put((m.params, m.grads), repl)
+    state = jax.jit(tx.init, out_shardings=repl)(params)
+    return Case(jax.jit(_apply(tx), out_shardings=(repl, repl)), (params, state, grads))
+
+
+CONTENDERS: dict[str, Callable[[Problem], Case]] = {
+    "muon_optax": zero2, "muon_optax_jit": zero2_jit, "optax_contrib": contrib_replicated}
+
+
+def parse_args(argv=None):
+    ap = common.base_parser(__doc__)
+    ap.add_argument("--set", type=common.parse_set, default="d256x4",
+                    help="parameter set d<width>x<layers> (default d256x4)")
     ap.add_argument("--devices", default="1,2,4,8",
-                    help=f"comma-separated device counts (at most {MAX_DEVICES})")
-    ap.add_argument("--balance-sets", default="256x4,768x12,768x6,1664x26",
-                    help="extra WIDTHxLAYERS sets for the (analytic) load-balance table")
-    ap.add_argument("--no-run", action="store_true",
-                    help="only compile; do not execute one sharded step as a smoke check")
-    ap.add_argument("--dump-hlo", help="folder to write each compiled step's HLO text to")
-    ap.add_argument("--json", help="also write the results to this JSON file")
+                    help=f"comma-separated device counts, at most {MAX_DEVICES} (default 1,2,4,8)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
+    ap.add_argument("--balance-sets", default="d256x4,d768x12,d768x6,d1664x26",
+                    help="sets of the analytic load-balance table (default: d256x4, nanochat's "
+                         "d12 and d26, and d768x6)")
+    ap.add_argument("--no-run", action="store_true", help="compile only; do not run a step")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.set, args.vocab, args.devices, args.balance_sets = (64, 2), 256, "1,8", "d256x4"
     args.devices = [int(n) for n in args.devices.split(",")]
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    args.balance_sets = [common.parse_set(s) for s in args.balance_sets.split(",") if s]
     if max(args.devices) > len(jax.devices()):
-        ap.error(f"only {len(jax.devices())} devices; XLA_FLAGS={os.environ['XLA_FLAGS']!r}")
-    args.balance_sets = [tuple(int(v) for v in s.split("x")) for s in
-                         args.balance_sets.split(",") if s]
+        ap.error(f"only {len(jax.devices())} devices (XLA_FLAGS={os.environ['XLA_FLAGS']!r})")
+    if set(args.contenders) - set(CONTENDERS):
+        ap.error(f"unknown contenders; choose from {list(CONTENDERS)}")
     return args
 
 
-# ----------------------------------------------------------------------------- HLO
-
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-COLLECTIVE = re.compile(r"=\s*(?P<type>.*?)\s(?P<op>all-reduce|all-gather|reduce-scatter|"
-                        r"all-to-all|collective-permute)(?P<suffix>-start|-done)?\(")
-ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
-
-
-def _array_bytes(type_str: str) -> list[int]:
-    out = []
-    for dtype, dims in ARRAY.findall(type_str):
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        out.append(n * DTYPE_BYTES.get(dtype, 4))
+def measure(case: Case, n: int, run: bool) -> dict[str, Any]:
+    """Per-device bytes, FLOPs, temporaries and collectives of one compiled step."""
+    devices = jax.devices()[:n]
+    compiled = case.step.lower(*case.args).compile()
+    out = dict(params=max(common.per_device_bytes(case.args[0], devices)),
+               state=max(common.per_device_bytes(case.args[1], devices)),
+               flops=common.cost_flops(compiled), temp=common.memory_of(compiled)["temp"],
+               collectives=common.collectives(compiled.as_text(), n), finite=None)
+    if run:
+        new_params, _ = compiled(*case.args)
+        out["finite"] = bool(all(np.isfinite(np.asarray(x)).all()
+                                 for x in jax.tree.leaves(new_params)))
     return out
 
 
-def _group_size(line: str, num_devices: int) -> int:
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len([d for d in m.group(1).split(",") if d])
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)  # iota form [groups, size]<=[..]
-    if m:
-        return int(m.group(2))
-    return num_devices
+def cost_table(args, params, grads) -> list[dict[str, Any]]:
+    rows = []
+    groups, labels = common.nanochat_groups(args.set[0]), common.nanochat_labels(params)
+    for n in args.devices:
+        mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,),
+                             devices=jax.devices()[:n])
+        m = Problem(mesh, n, params, grads, groups, labels)
+        for name in args.contenders:
+            rows.append(dict(contender=name, n=n, **measure(CONTENDERS[name](m), n,
+                                                            not args.no_run)))
+            print(f"#   {name}, N={n}: compiled; step finite: {rows[-1]['finite']}", flush=True)
+    grad_bytes = common.tree_bytes(grads)
+    print(f"\nGradients {grad_bytes / MB:.2f} MiB; one ring all-reduce of them sends "
+          "2 (N-1)/N x that per device.\n")
+    print(md_table(["contender", "N", "params MiB", "state MiB", "x total/N", "GFLOP",
+                    "x total/N", "temp MiB", "collectives (count)", "ring MiB", "x all-reduce"],
+                   [_cost_cells(r, rows, grad_bytes) for r in rows], "lrrrrrrrlrr"))
+    return rows
 
 
-def collectives(hlo: str, num_devices: int) -> dict[str, Any]:
-    """Collective ops of a compiled HLO module and the bytes they move per step.
-
-    Convention: an op's *payload* is its full-size (unsharded) buffer: the result of an
-    all-reduce or all-gather, the operand of a reduce-scatter (result x group size).
-    With a ring over n devices each device sends ``(n-1)/n`` of the payload for a
-    reduce-scatter or all-gather and ``2 (n-1)/n`` for an all-reduce; ``ring_bytes`` sums
-    that per device. The target, one ring all-reduce of the gradients, is
-    ``2 (N-1)/N x grad bytes`` in the same units.
-    """
-    ops: dict[str, dict[str, float]] = {}
-    for line in hlo.splitlines():
-        m = COLLECTIVE.search(line)
-        if not m or m.group("suffix") == "-done":
-            continue
-        op = m.group("op")
-        sizes = _array_bytes(m.group("type"))
-        if m.group("suffix") == "-start" and op == "all-gather":
-            sizes = sizes[-1:]  # (operand, result) tuple: the result is the full buffer
-        n = _group_size(line, num_devices)
-        result = sum(sizes)
-        payload = result * n if op == "reduce-scatter" else result
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(op, (n - 1) / n)
-        entry = ops.setdefault(op, dict(count=0, payload=0.0, ring=0.0))
-        entry["count"] += 1
-        entry["payload"] += payload
-        entry["ring"] += factor * payload
-    return dict(ops=ops, payload_bytes=sum(e["payload"] for e in ops.values()),
-                ring_bytes=sum(e["ring"] for e in ops.values()))
-
-
-def flops_of(compiled) -> float:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return float(cost.get("flops", float("nan")))
-
-
-def temp_bytes_of(compiled) -> float:
-    try:
-        return float(compiled.memory_analysis().temp_size_in_bytes)
-    except Exception:  # not every backend/version reports it
-        return float("nan")
-
-
-def per_device_bytes(tree: Any, devices: list) -> list[int]:
-    """Bytes of ``tree``'s arrays held on each device (addressable shards)."""
-    totals = {d: 0 for d in devices}
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            totals[shard.device] += shard.data.nbytes
-    return [totals[d] for d in devices]
+def _cost_cells(r: dict[str, Any], rows: list[dict[str, Any]], grad_bytes: int) -> list[str]:
+    base = next((b for b in rows if b["contender"] == r["contender"] and b["n"] == 1), None)
+    n, ops = r["n"], r["collectives"]
+    ring = sum(op["ring"] for op in ops.values())
+    all_reduce = 2 * (n - 1) / n * grad_bytes
+    return [r["contender"], n, fmt(r["params"] / MB), fmt(r["state"] / MB),
+            fmt(base and r["state"] * n / base["state"], ".3f"), fmt(r["flops"] / 1e9),
+            fmt(base and r["flops"] * n / base["flops"], ".3f"), fmt(r["temp"] / MB, ".1f"),
+            ", ".join(f"{k} {v['count']}" for k, v in sorted(ops.items())) or "none",
+            fmt(ring / MB), fmt(ring / all_reduce if n > 1 else None, ".3f")]
 
 
 # ----------------------------------------------------------------------------- load balance
 
-def executed_polar_flops(r: int, c: int, ns_steps: int = 5, method: str = "auto") -> int:
-    """Polar FLOPs muon_optax executes on one matrix: the form ``method`` picks for the
-    default compute dtype of this backend (float32 on CPU: Gram space for rectangular
-    matrices)."""
-    dtype = muon_optax.polar.default_compute_dtype()
-    chosen = muon_optax.polar.choose_method(r, c, ns_steps, method, dtype)
-    return muon_optax.polar.polar_flops(r, c, ns_steps, chosen)
+def balance(width: int, layers: int, n: int) -> dict[str, Any]:
+    """Busiest device's Muon FLOPs over total/N: muon_optax (every device runs padded/N slots
+    of every stack, in the form it runs on CPU) and nanochat (per PyTorch shape, chunks of
+    ceil(K/N) matrices, device d computing min(chunk, K - d chunk) of them, direct form)."""
+    shapes = common.nanochat_params(width, layers, 256, abstract=True)
+    tx = muon_optax.muon_adamw(common.nanochat_groups(width), common.nanochat_labels(shapes))
+    stacks = common.stack_rows(tx, shapes, num_devices=n)
+    ours = sum(r["flops"] // r["stack"][0] * r["stack"][0] // n for r in stacks)
+    ours_total = sum(r["flops"] // r["stack"][0] * r["size"] for r in stacks)
+    nano, nano_total = np.zeros(n), 0
+    per_shape: dict[tuple[int, int], int] = {}
+    for fan_in, fan_out in common.block_shapes(width).values():
+        per_shape[(fan_out, fan_in)] = per_shape.get((fan_out, fan_in), 0) + layers
+    for (r, c), k in per_shape.items():
+        f, chunk = muon_optax.polar.polar_flops(r, c, 5, "direct"), -(-k // n)
+        nano += [min(chunk, max(0, k - d * chunk)) * f for d in range(n)]
+        nano_total += k * f
+    return dict(stacks=[r["stack"] for r in stacks], ours=ours * n / ours_total,
+                nanochat=float(nano.max()) * n / nano_total,
+                nanochat_stacks=[(k, r, c) for (r, c), k in per_shape.items()])
 
 
-def balance(params: Any, tx: Any, n: int) -> dict[str, Any]:
-    """Per-device Muon FLOPs and momentum elements: our stacks vs nanochat's groups.
-
-    Ours counts the FLOPs of the form muon_optax runs (``polar_method="auto"``), each
-    relative to its own total; nanochat's the direct form it runs.
-    """
-    ours_dev = 0.0
-    ours_slots_elems = 0
-    real = 0.0
-    for s in tx.init.stack_info(params, num_devices=n):
-        r, c = s["shape"]
-        ours_dev += s["padded"] // n * executed_polar_flops(r, c)
-        ours_slots_elems += s["padded"] // n * r * c
-        real += s["size"] * executed_polar_flops(r, c)
-    # nanochat: one group per PyTorch (out, in) shape, no merging of tall and wide.
-    d = params["wte"]["embedding"].shape[1]
-    n_layer = len(params["blocks"])
-    groups: dict[tuple[int, int], int] = {}
-    for fan_in, fan_out in block_shapes(d).values():
-        groups[(fan_out, fan_in)] = groups.get((fan_out, fan_in), 0) + n_layer
-    nano = np.zeros(n)
-    nano_slots_elems = 0
-    for (r, c), k in groups.items():
-        chunk = -(-k // n)
-        nano_slots_elems += chunk * r * c
-        for dev in range(n):
-            nano[dev] += min(chunk, max(0, k - dev * chunk)) * polar_flops(r, c)
-    ideal = real / n
-    nano_ideal = sum(k * polar_flops(r, c) for (r, c), k in groups.items()) / n
-    muon_elems = sum(r * c * k for (r, c), k in groups.items())
-    return dict(
-        ideal_flops=ideal,
-        ours_max_flops=ours_dev, ours_over_ideal=ours_dev / ideal, ours_max_over_mean=1.0,
-        nano_max_flops=float(nano.max()), nano_over_ideal=float(nano.max()) / nano_ideal,
-        nano_max_over_mean=float(nano.max() / nano.mean()),
-        ours_momentum_over_ideal=ours_slots_elems / (muon_elems / n),
-        nano_momentum_over_ideal=nano_slots_elems / (muon_elems / n),
-        stacks_ours=[(s["padded"], *s["shape"]) for s in tx.init.stack_info(params, n)],
-        groups_nano=[(k, r, c) for (r, c), k in groups.items()],
-    )
-
-
-# ----------------------------------------------------------------------------- one N
-
-def measure(n: int, params_np: Any, groups: dict, args) -> dict[str, Any]:
-    devices = jax.devices()[:n]
-    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
-    labels = nanochat_labels(params_np)
-    repl = NamedSharding(mesh, P())
-    params = jax.device_put(params_np, repl)
-    grad_bytes = tree_bytes(params_np)
-
-    # ours: ZeRO-2 under shard_map
-    tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
-    specs = muon_optax.state_specs(tx, params_np, mesh)
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    state_dev = per_device_bytes(state, devices)
-
-    def step(params, state, grads):
-        grads = jax.tree.map(lambda g: g[0], grads)  # this device's own gradients
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    sharded_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
-                                         out_specs=(P(), specs)))
-    grads_np = random_grads(params_np)
-    grads = jax.device_put(jax.tree.map(lambda g: np.stack([g] * n), grads_np),
-                           NamedSharding(mesh, P("data")))
-    compiled = sharded_step.lower(params, state, grads).compile()
-    hlo = compiled.as_text()
-    if args.dump_hlo:
-        Path(args.dump_hlo).mkdir(parents=True, exist_ok=True)
-        Path(args.dump_hlo, f"muon_optax_N{n}.hlo.txt").write_text(hlo)
-    coll = collectives(hlo, n)
-    finite = None
-    if not args.no_run:
-        new_params, _ = compiled(params, state, grads)
-        finite = bool(all(jnp.isfinite(x).all() for x in jax.tree.leaves(new_params)))
-
-    # optax.contrib.muon: plain jit, everything replicated on the mesh
-    txc = optax_contrib_muon(params_np)
-    state_c = jax.jit(txc.init, out_shardings=repl)(params)
-    grads_r = jax.device_put(grads_np, repl)
-
-    def step_c(params, state, grads):
-        updates, state = txc.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    compiled_c = jax.jit(step_c, in_shardings=(repl, repl, repl),
-                         out_shardings=(repl, repl)).lower(params, state_c, grads_r).compile()
-    coll_c = collectives(compiled_c.as_text(), n)
-
-    plain = None
-    if n == 1:  # the unsharded transformation (axis_name=None), for reference
-        txp = muon_optax.muon_adamw(groups, labels)
-
-        def step_p(params, state, grads):
-            updates, state = txp.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        state_p = jax.jit(txp.init)(params)
-        compiled_p = jax.jit(step_p).lower(params, state_p, grads_r).compile()
-        plain = dict(flops=flops_of(compiled_p), temp_bytes=temp_bytes_of(compiled_p),
-                     collectives=collectives(compiled_p.as_text(), 1),
-                     state_bytes=per_device_bytes(state_p, devices))
-
-    return dict(
-        n=n, grad_bytes=grad_bytes,
-        ours=dict(state_bytes=state_dev, flops=flops_of(compiled), temp_bytes=temp_bytes_of(
-            compiled), collectives=coll, finite_after_step=finite),
-        contrib=dict(state_bytes=per_device_bytes(state_c, devices), flops=flops_of(compiled_c),
-                     temp_bytes=temp_bytes_of(compiled_c), collectives=coll_c,
-                     muon_flops_analytic=muon_flops(params_np)),
-        plain=plain,
-        balance=balance(params_np, tx, n),
-    )
-
-
-def verdict(ok: bool) -> str:
-    return "pass" if ok else "FAIL"
+def balance_table(args) -> list[dict[str, Any]]:
+    ns = [n for n in args.devices if n > 1]
+    rows = [dict(set=f"d{w}x{layers}", **{f"N={n}": balance(w, layers, n) for n in ns})
+            for w, layers in args.balance_sets]
+    print("\nMuon load balance (analytic): the busiest device's polar FLOPs over total/N, "
+          "muon_optax / nanochat.\n")
+    print(md_table(["set", f"muon_optax stacks (K, R, C) at N={ns[-1]}"] + [f"N={n}" for n in ns],
+                   [[r["set"], ", ".join("x".join(map(str, s)) for s in r[f"N={ns[-1]}"]["stacks"])]
+                    + [f"{r[f'N={n}']['ours']:.3f} / {r[f'N={n}']['nanochat']:.3f}" for n in ns]
+                    for r in rows], "ll" + "r" * len(ns)))
+    return rows
 
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    params_np = nanochat_params(args.n_embd, args.n_layer, args.vocab, args.dtype)
-    groups = nanochat_groups(args.n_embd)
-    print(f"# sharded: d{args.n_embd} x {args.n_layer} layers, vocab {args.vocab}, "
-          f"{args.dtype}; devices {args.devices} (simulated CPU); jax {jax.__version__}, "
-          f"optax {optax.__version__}", flush=True)
-    results = []
-    for n in args.devices:
-        results.append(measure(n, params_np, groups, args))
-        r = results[-1]
-        print(f"#   N={n}: compiled; step ran finite={r['ours']['finite_after_step']}",
-              flush=True)
-
-    base = next((r for r in results if r["n"] == 1), None)
-    if base is None:
-        raise SystemExit("include N=1 in --devices: it is the total the targets divide")
-    total_state = max(base["ours"]["state_bytes"])
-    total_flops = base["ours"]["flops"]
-
-    print("\n### Optimizer state per device (MiB; max over devices)\n")
-    print("| N | muon_optax | total/N | ratio | target <= 1.1 | optax.contrib (replicated) |")
-    print("|---:|---:|---:|---:|:---:|---:|")
-    for r in results:
-        ours = max(r["ours"]["state_bytes"])
-        ideal = total_state / r["n"]
-        r["state_ratio"] = ours / ideal
-        print(f"| {r['n']} | {ours / MB:.2f} | {ideal / MB:.2f} | {ours / ideal:.3f} | "
-              f"{verdict(ours <= TOLERANCE * ideal)} | "
-              f"{max(r['contrib']['state_bytes']) / MB:.2f} |")
-
-    print("\n### FLOPs per device per step (GFLOP; compiled.cost_analysis())\n")
-    print("| N | muon_optax | N=1 total/N | ratio | target <= 1.1 | Muon executed, analytic/device "
-          "| optax.contrib (replicated): cost_analysis / Muon analytic | "
-          "temp MiB ours / contrib |")
-    print("|---:|---:|---:|---:|:---:|---:|---:|---:|")
-    for r in results:
-        ours, ideal = r["ours"]["flops"], total_flops / r["n"]
-        r["flops_ratio"] = ours / ideal
-        print(f"| {r['n']} | {ours / 1e9:.2f} | {ideal / 1e9:.2f} | {ours / ideal:.3f} | "
-              f"{verdict(ours <= TOLERANCE * ideal)} | "
-              f"{r['balance']['ours_max_flops'] / 1e9:.2f} | "
-              f"{r['contrib']['flops'] / 1e9:.2f} / "
-              f"{r['contrib']['muon_flops_analytic'] / 1e9:.2f} | "
-              f"{r['ours']['temp_bytes'] / MB:.1f} / {r['contrib']['temp_bytes'] / MB:.1f} |")
-    plain = base["plain"]
-    ops_p = ", ".join(f"{k} {int(v['count'])}" for k, v in
-                      sorted(plain["collectives"]["ops"].items())) or "none"
-    print(f"\nUnsharded muon_optax (axis_name=None, plain jit): {plain['flops'] / 1e9:.2f} "
-          f"GFLOP, temp {plain['temp_bytes'] / MB:.1f} MiB, state "
-          f"{max(plain['state_bytes']) / MB:.2f} MiB, collectives: {ops_p}. "
-          "optax.contrib's cost_analysis counts the body of its lax.scan over the 5 "
-          "coefficient rows once, hence the second (analytic) figure.")
-
-    print("\n### Collectives per step (muon_optax; MiB)\n")
-    print("Payload = the full-size buffer of each op (all-reduce/all-gather result, "
-          "reduce-scatter operand); ring = bytes each device sends on a ring "
-          "((N-1)/N x payload for reduce-scatter and all-gather, 2(N-1)/N x for "
-          "all-reduce). Target: one ring all-reduce of the gradients, 2(N-1)/N x grad "
-          "bytes.\n")
-    print("| N | ops (count) | payload | ring/device | target | ratio | target met | "
-          "optax.contrib ops |")
-    print("|---:|---|---:|---:|---:|---:|:---:|---|")
-    for r in results:
-        c, n = r["ours"]["collectives"], r["n"]
-        target = 2 * (n - 1) / n * r["grad_bytes"]
-        ops = ", ".join(f"{k} {int(v['count'])}" for k, v in sorted(c["ops"].items())) or "none"
-        ops_c = ", ".join(f"{k} {int(v['count'])}" for k, v in
-                          sorted(r["contrib"]["collectives"]["ops"].items())) or "none"
-        ratio = c["ring_bytes"] / target if target else None
-        r["collective_ratio"] = ratio
-        print(f"| {n} | {ops} | {c['payload_bytes'] / MB:.2f} | {c['ring_bytes'] / MB:.2f} | "
-              f"{target / MB:.2f} | {'-' if ratio is None else f'{ratio:.3f}'} | "
-              f"{verdict(c['ring_bytes'] <= target * (1 + 1e-9))} | {ops_c} |")
-
-    print("\n### Muon load balance (analytic, executed slots)\n")
-    print("ours: every device runs padded/N slots of every stack (tall and wide merged); "
-          "nanochat: one stack per PyTorch shape, chunk = ceil(K/N), device d computes "
-          "min(chunk, K - d*chunk) real matrices. 'max/ideal' = busiest device over total/N "
-          "(the target's measure); 'max/mean' = busiest over average of executed work; "
-          "'momentum' = per-device momentum slots over total/N.\n")
-    print("| set | N | ours stacks (K,R,C) | ours max/ideal | ours momentum | "
-          "nanochat groups (K,R,C) | nanochat max/ideal | nanochat max/mean | "
-          "nanochat momentum | target (ours) |")
-    print("|---|---:|---|---:|---:|---|---:|---:|---:|:---:|")
-    sets = [(args.n_embd, args.n_layer)] + [s for s in args.balance_sets
-                                            if s != (args.n_embd, args.n_layer)]
-    balance_rows = []
-    for d, layers in sets:
-        shapes = nanochat_params(d, layers, 256, args.dtype, abstract=True)
-        tx = muon_optax.muon_adamw(nanochat_groups(d), nanochat_labels(shapes))
-        for n in args.devices:
-            b = balance(shapes, tx, n)
-            balance_rows.append(dict(set=f"d{d}x{layers}", n=n, **b))
-            print(f"| d{d} x {layers} | {n} | {b['stacks_ours']} | {b['ours_over_ideal']:.3f} "
-                  f"| {b['ours_momentum_over_ideal']:.3f} | {b['groups_nano']} | "
-                  f"{b['nano_over_ideal']:.3f} | {b['nano_max_over_mean']:.3f} | "
-                  f"{b['nano_momentum_over_ideal']:.3f} | "
-                  f"{verdict(b['ours_over_ideal'] <= TOLERANCE)} |")
-
-    out = dict(config=vars(args), results=results, balance=balance_rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    return out
+    params = common.nanochat_params(*args.set, args.vocab, args.dtype)
+    print(f"# sharded: d{args.set[0]} x {args.set[1]} layers, vocab {args.vocab}, {args.dtype}; "
+          f"N = {args.devices} (simulated CPU devices); {common.machine_line()}", flush=True)
+    result = dict(config=vars(args), costs=cost_table(args, params, common.random_grads(params)),
+                  balance=balance_table(args))
+    common.write_json(args.json, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -434,9 +434,11 @@ class _Init:
     def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
         """Which matrices each stack holds and who owns them (inspection, benchmarks)."""
         plan = self.plan(params, num_devices)
+        # padded: the slots every device's program holds, times the device count.
         return [dict(shape=(sp.stack.rows, sp.stack.cols), dtype=str(sp.stack.dtype),
                      size=sp.stack.size, transport=sp.transport, slots=sp.num_slots,
-                     counts=sp.counts.tolist(), members=[m.path for m in sp.stack.members])
+                     padded=sp.num_slots * plan.num_devices, counts=sp.counts.tolist(),
+                     members=[m.path for m in sp.stack.members])
                 for sp in plan.owner.stacks]
 
 
