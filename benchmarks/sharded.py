@@ -179,7 +179,8 @@ def balance(width: int, layers: int, n: int) -> dict[str, Any]:
     of every stack, in the form it runs on CPU) and nanochat (per PyTorch shape, chunks of
     ceil(K/N) matrices, device d computing min(chunk, K - d chunk) of them, direct form)."""
     shapes = common.nanochat_params(width, layers, 256, abstract=True)
-    tx = muon_optax.muon_adamw(common.nanochat_groups(width), common.nanochat_labels(shapes))
+    tx = muon_optax.muon_adamw(common.nanochat_groups(width), common.nanochat_labels(shapes),
+                               axis_name="data")
     stacks = common.stack_rows(tx, shapes, num_devices=n)
     ours = sum(r["flops"] // r["stack"][0] * r["stack"][0] // n for r in stacks)
     ours_total = sum(r["flops"] // r["stack"][0] * r["size"] for r in stacks)
