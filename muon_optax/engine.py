@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
@@ -126,8 +127,28 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
     else:
         specs = [typed_spec(x, p) or ((),) * len(x.shape) for x, p in zip(leaves, paths)]
     for s, x, p in zip(specs, leaves, paths):
+        _check_mesh(x, opts, p)
         check_spec(s, x.shape, dict(opts.mesh.shape), p, opts.axes)
     return specs
+
+
+def _check_mesh(x: Any, opts: Options, path: str) -> None:
+    """Params on the mesh given as ``mesh=`` (as far as their type or placement shows)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    typed = getattr(sharding, "mesh", None)
+    if typed is not None and getattr(typed, "axis_names", ()) and \
+            dict(typed.shape) != dict(opts.mesh.shape):
+        raise ValueError(f"{opts.name}: parameter {path!r} lives on a mesh with axes "
+                         f"{dict(typed.shape)}, but the optimizer was built with mesh= of axes "
+                         f"{dict(opts.mesh.shape)}: build it with the params' mesh.")
+    placed = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+    mesh = getattr(placed, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1 and (
+            mesh.devices.shape != opts.mesh.devices.shape
+            or (mesh.device_ids != opts.mesh.device_ids).any()):
+        raise ValueError(f"{opts.name}: parameter {path!r} is placed on another mesh "
+                         f"({mesh}) than the optimizer's mesh= ({opts.mesh}): build it with "
+                         "the params' mesh.")
 
 
 def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...]) -> TreePlan:
@@ -531,7 +552,7 @@ def _wrap_in_shard_map(opts: Options):
         for x, spec, path in zip(leaves, plan.specs, plan.paths):
             typed = typed_spec(x, path)
             if typed is not None and typed != spec:
-                x = jax.sharding.reshard(x, to_partition_spec(spec))
+                x = jax.sharding.reshard(x, NamedSharding(mesh, to_partition_spec(spec)))
             out.append(x)
         return plan.treedef.unflatten(out)
 

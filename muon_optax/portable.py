@@ -26,10 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from muon_optax.engine import MuonAdamWState, MuonBuffers, state_shapes
+from muon_optax.engine import MuonAdamWState, MuonBuffers, state_partition_specs, state_shapes
 from muon_optax.layout import MatrixLeaf
 from muon_optax.plan import TreePlan
+from muon_optax.sharding import to_partition_spec, typed_spec
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
@@ -46,6 +49,34 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan
     elif opts.mesh is not None:
         num_devices = None
     return init.plan(params, num_devices)
+
+
+def _explicit_mesh(tx: Any, trees: Any) -> Any:
+    """The mesh, if any input's layout is in its type (Explicit axes), else None."""
+    for x in jax.tree.leaves(trees):
+        if typed_spec(x, "") is not None:
+            mesh = tx.init.options.mesh
+            if mesh is None:
+                mesh = getattr(x, "sharding", None)
+                mesh = getattr(mesh, "mesh", None) or jax.typeof(x).sharding.mesh
+            return mesh
+    return None
+
+
+def _like_adamw(plan: TreePlan, specs: Any) -> Any:
+    flat = [None] * len(plan.paths)
+    leaf_specs = plan.treedef.flatten_up_to(specs)
+    for a in plan.adamw:
+        flat[a.index] = leaf_specs[a.index] if a.local else P()
+    return plan.treedef.unflatten(flat)
+
+
+def _like_muon(plan: TreePlan, specs: Any) -> Any:
+    flat = [None] * len(plan.paths)
+    leaf_specs = None if specs is None else plan.treedef.flatten_up_to(specs)
+    for m in plan.muon:
+        flat[m.index] = P() if leaf_specs is None else leaf_specs[m.index]
+    return plan.treedef.unflatten(flat)
 
 
 def _second_shape(m: MatrixLeaf, reduces_rows: bool) -> tuple[int, ...]:
@@ -100,6 +131,21 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
         num_devices = state.muon[0].momentum.shape[0] if state.muon else 1
     plan = _plan(tx, params, num_devices, "export_state")
     _check(plan, state, params, "export_state")
+    mesh = _explicit_mesh(tx, (state, params))
+    if mesh is None:
+        return _export(plan, state, params)
+    # Explicit mesh axes: slicing the sharded buffers needs XLA's freedom (auto axes);
+    # the per-parameter arrays come out laid out like their params.
+    specs = plan.treedef.unflatten([to_partition_spec(sp) for sp in plan.specs])
+    out = {"count": P(), "mu": _like_adamw(plan, specs), "nu": _like_adamw(plan, specs),
+           "momentum": _like_muon(plan, specs), "second_moment": _like_muon(plan, None)}
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), out,
+                             is_leaf=lambda x: isinstance(x, P))
+    return jax.sharding.auto_axes(lambda s: _export(plan, s, params),
+                                  out_sharding=shardings)(state)
+
+
+def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any]:
     leaves = plan.treedef.flatten_up_to(params)
     mu = [None] * len(leaves)
     nu = [None] * len(leaves)
@@ -165,6 +211,18 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     """
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
+    mesh = _explicit_mesh(tx, (portable, params))
+    if mesh is None:
+        return _import(plan, portable, params)
+    axes = tuple(a for a, _ in plan.axes) or None
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                             state_partition_specs(plan, axes),
+                             is_leaf=lambda x: isinstance(x, P))
+    return jax.sharding.auto_axes(lambda p: _import(plan, p, params),
+                                  out_sharding=shardings)(portable)
+
+
+def _import(plan: TreePlan, portable: dict[str, Any], params: Any) -> MuonAdamWState:
     leaves = plan.treedef.flatten_up_to(params)
     want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
                         per_device=False)
