@@ -10,6 +10,7 @@ See the README for the mapping from nanochat's ``param_groups``.
 from optax.contrib import MuonDimensionNumbers
 
 from muon_optax.engine import MuonAdamWState, MuonBuffers
+from muon_optax.estimate import estimate
 from muon_optax.hparams import current_hyperparams
 from muon_optax.labels import label_by_path, path_str
 from muon_optax.muon import MuonStackState
@@ -28,6 +29,7 @@ __all__ = [
     "MuonStackState",
     "adamw",
     "current_hyperparams",
+    "estimate",
     "export_state",
     "import_state",
     "label_by_path",

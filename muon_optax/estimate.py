@@ -1,0 +1,120 @@
+"""What the optimizer costs per device, from shapes alone (no devices needed).
+
+Like DeepSpeed's memory estimators: "how much memory will the optimizer state take per
+GPU on 256 GPUs?" answered on a laptop. Everything comes from the static plan
+(:mod:`muon_optax.plan`), so the numbers are the compiled program's: the state bytes
+exactly (every device allocates the longest share), the Muon FLOPs from the cost model
+the owners were balanced with, the collective bytes as a ring algorithm sends them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from muon_optax.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
+from muon_optax.sharding import check_spec, normalize_spec
+
+# Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay),
+# for the program's total in the cost model.
+ADAMW_FLOPS_PER_ELEMENT = 20
+
+
+def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[TreePlan, Any]:
+    opts = getattr(getattr(tx, "init", None), "options", None)
+    if opts is None:
+        raise TypeError("estimate needs the transformation returned by muon_optax.muon_adamw "
+                        "(or muon/adamw) itself, not a chain or a wrapper around it.")
+    if opts.axes is None:
+        raise ValueError("estimate: this transformation was built without axis_name, so it "
+                         "runs on one device; build it with axis_name='data' (and mesh= for "
+                         "plain jit) to estimate a sharded run.")
+    if len(opts.axes) != 1:
+        raise ValueError(f"estimate: with several owner axes {opts.axes}, estimate one axis "
+                         "of num_devices devices (build the transformation with one axis).")
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"estimate: num_devices must be a positive int, got {num_devices!r}.")
+    axes = ((opts.axes[0], num_devices),)
+    specs = None
+    if param_specs is not None:
+        from muon_optax.labels import path_str
+
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        given = param_specs(params) if callable(param_specs) else param_specs
+        given = treedef.flatten_up_to(given)
+        specs = []
+        for (path, x), s in zip(flat, given):
+            spec = normalize_spec(s, len(x.shape), path_str(path))
+            check_spec(spec, x.shape, dict(axes), path_str(path), opts.axes)
+            specs.append(spec)
+    return make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
+                          axes, specs, opts.threshold, "estimate"), opts
+
+
+def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
+             param_specs: Any = None) -> dict[str, Any]:
+    """Per-device optimizer costs of ``tx`` on ``num_devices`` devices along its owner axis.
+
+    Args:
+      tx: a transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``) built
+        with ``axis_name`` (and ``mesh`` for plain jit).
+      params: the params, as arrays or ``jax.ShapeDtypeStruct``s.
+      num_devices: the device count to plan for (any, e.g. 256).
+      param_specs: the params' ``PartitionSpec``s over the owner axis (FSDP, ...);
+        default: whole on every device (ZeRO-2).
+
+    Returns:
+      A dict of per-device lists (``num_devices`` numbers each): ``"state_bytes"`` (the
+      optimizer state each device allocates), ``"muon_flops"`` (its Muon FLOPs per step,
+      the polar iteration in the rule's direct form, as accelerators run it in bfloat16:
+      the cost the owners are balanced by) and ``"collective_bytes"`` (bytes it sends per
+      step, ring algorithms). Also ``"program_flops"``: one device's compiled program on
+      this backend, every conditional Muon slot counted as XLA's cost analysis counts
+      it, plus the AdamW arithmetic; and ``"stacks"`` (shape, matrices, transport, slots
+      per device of each stack).
+    """
+    plan, opts = _plan(tx, params, num_devices, param_specs)
+    n = num_devices
+    leaves = jax.tree.leaves(params)
+    reduced = opts.mesh is not None
+    adamw_bytes, adamw_elements, sent = 4, 0, 0.0   # 4: the step count
+    for a in plan.adamw:
+        x = leaves[a.index]
+        itemsize = np.dtype(x.dtype).itemsize
+        if a.local:
+            local = math.prod(x.shape) // math.prod(
+                math.prod(dict(plan.axes).get(ax, 1) for ax in entry)
+                for entry in plan.specs[a.index])
+        elif a.axis is not None:
+            local = math.prod(a.padded) // n
+            sent += (n - 1) * local * itemsize * (1 if reduced else 2)   # (RS +) AG
+        else:
+            local = math.prod(a.shape)
+            sent += 0 if reduced else 2 * (n - 1) / n * local * itemsize   # all-reduce
+        adamw_bytes += 2 * local * itemsize
+        adamw_elements += local
+    muon_bytes = 0
+    for dt in plan.state_dtypes:
+        muon_bytes += (plan.owner.momentum[dt].length + plan.owner.second[dt].length) * \
+            np.dtype(dt).itemsize
+    for dt, ch in plan.owner.gather.items():
+        sent += (n - 1) * ch.length * np.dtype(dt).itemsize * (1 if reduced else 2)
+    for kind in (plan.owner.exchange, plan.owner.back):
+        for dt, ch in kind.items():
+            sent += (n - 1) * ch.length * np.dtype(dt).itemsize
+    program = plan.owner.program_flops() + ADAMW_FLOPS_PER_ELEMENT * adamw_elements
+    return {
+        "state_bytes": [adamw_bytes + muon_bytes] * n,
+        "muon_flops": plan.owner.device_flops(matrix_flops),
+        "collective_bytes": [sent] * n,
+        "program_flops": program,
+        "stacks": [dict(shape=(sp.stack.rows, sp.stack.cols), matrices=sp.stack.size,
+                        transport=sp.transport, slots=sp.num_slots,
+                        flops_per_matrix=executed_flops(sp.stack))
+                   for sp in plan.owner.stacks],
+    }
+
