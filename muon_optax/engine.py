@@ -545,16 +545,26 @@ def _wrap_in_shard_map(opts: Options):
     def layouts(plan: TreePlan):
         return plan.treedef.unflatten([to_partition_spec(s) for s in plan.specs])
 
+    explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+
+    def moved(x, spec: P, path: str = "state"):
+        """Explicit axes: a leaf typed with another layout (or none: unplaced) moves to
+        ``spec`` first. Auto axes need nothing: XLA moves data to match ``in_specs``."""
+        if not explicit:
+            return x
+        typed = typed_spec(x, path) or ((),) * len(x.shape)
+        if to_partition_spec(typed) != to_partition_spec(normalize_spec(spec, len(x.shape),
+                                                                        path)):
+            x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
+        return x
+
     def placed(tree, plan: TreePlan):
-        """Explicit axes: leaves typed with another layout move to the plan's first."""
         leaves = plan.treedef.flatten_up_to(tree)
-        out = []
-        for x, spec, path in zip(leaves, plan.specs, plan.paths):
-            typed = typed_spec(x, path)
-            if typed is not None and typed != spec:
-                x = jax.sharding.reshard(x, NamedSharding(mesh, to_partition_spec(spec)))
-            out.append(x)
-        return plan.treedef.unflatten(out)
+        return plan.treedef.unflatten([moved(x, to_partition_spec(s), path) for x, s, path
+                                       in zip(leaves, plan.specs, plan.paths)])
+
+    def placed_state(state, sspecs):
+        return jax.tree.map(moved, state, sspecs)
 
     def init(params):
         _outside_shard_map(name)
@@ -582,10 +592,10 @@ def _wrap_in_shard_map(opts: Options):
         if params is None:
             return jax.shard_map(lambda g, s: fn(g, s, None), mesh=mesh,
                                  in_specs=(specs, sspecs), out_specs=(specs, sspecs))(
-                placed(grads, plan), state)
+                placed(grads, plan), placed_state(state, sspecs))
         return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs),
                              out_specs=(specs, sspecs))(
-            placed(grads, plan), state, placed(params, plan))
+            placed(grads, plan), placed_state(state, sspecs), placed(params, plan))
 
     return init, update
 

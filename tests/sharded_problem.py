@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -19,6 +21,11 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import muon_optax
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from benchmarks.common import collectives  # noqa: E402,F401  (the one HLO parser)
 
 # Muon: a (16, 32)-stored stack of K=5 mixing orientations (three wide (in=16, out=32)
 # Flax kernels stored as is, two tall ones stored transposed) and two groups; a

@@ -1,0 +1,79 @@
+"""muon_optax.estimate against the compiled programs it describes (8 simulated devices)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import muon_optax
+
+try:
+    from . import sharded_problem as sp
+    from .test_sharding import nanochat_like
+except ImportError:
+    import sharded_problem as sp
+    from test_sharding import nanochat_like
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+
+
+def _bytes_per_device(tree, mesh):
+    per_device = [0] * mesh.size
+    order = mesh.devices.flatten().tolist()
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            per_device[order.index(shard.device)] += shard.data.nbytes
+    return per_device
+
+
+def _ring_bytes(hlo, n):
+    return sum(op["ring"] for op in sp.collectives(hlo, n).values())
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_estimate_matches_the_compiled_zero2_step(n):
+    params, labels, groups = nanochat_like()
+    tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
+    est = muon_optax.estimate(tx, params, n)
+    mesh = sp.make_mesh((n,))
+    specs = muon_optax.state_specs(tx, params, mesh)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(zeros)
+    assert _bytes_per_device(state, mesh) == est["state_bytes"]
+
+    def step(p, s, g):
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+        return optax.apply_updates(p, u), s
+
+    grads = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), zeros)
+    compiled = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                     out_specs=(P(), specs))).lower(zeros, state, grads).compile()
+    flops = compiled.cost_analysis()["flops"]
+    assert abs(est["program_flops"] - flops) <= 0.1 * flops, (est["program_flops"], flops)
+    assert _ring_bytes(compiled.as_text(), n) == pytest.approx(est["collective_bytes"][0])
+    assert len(est["muon_flops"]) == len(est["state_bytes"]) == n
+
+
+def test_estimate_matches_the_compiled_fsdp_step():
+    n = 8
+    params, labels, groups = nanochat_like()
+    mesh = sp.make_mesh((n,))
+    specs = jax.tree.map(lambda x: P("data") if x.ndim == 2 else P(), params)
+    tx = muon_optax.muon_adamw(groups, labels, axis_name="data", mesh=mesh, param_specs=specs)
+    est = muon_optax.estimate(tx, params, n, param_specs=specs)
+    placed = jax.tree.map(lambda x, s: jax.device_put(jnp.zeros(x.shape, x.dtype),
+                                                      NamedSharding(mesh, s)), params, specs)
+    state = jax.jit(tx.init)(placed)
+    assert _bytes_per_device(state, mesh) == est["state_bytes"]
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    compiled = jax.jit(step).lower(placed, state, placed).compile()
+    flops = compiled.cost_analysis()["flops"]
+    assert abs(est["program_flops"] - flops) <= 0.1 * flops, (est["program_flops"], flops)
+    assert _ring_bytes(compiled.as_text(), n) == pytest.approx(est["collective_bytes"][0])
+    assert {s["transport"] for s in est["stacks"]} == {"exchange"}
