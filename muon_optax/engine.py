@@ -537,7 +537,9 @@ def _wrap_in_shard_map(opts: Options):
 
     Every leaf enters in its own layout (``in_specs`` from :func:`leaf_specs`), the
     gradients already averaged by XLA; the updates leave laid out like the params and
-    the state stays split over the owner axes.
+    the state stays split over the owner axes. (``check_vma=False``: a block that an
+    all-to-all hands to all of its holders is the same on each, which jax's types
+    cannot see.)
     """
     mesh, name = opts.mesh, opts.name
     axes = tuple((a, mesh.shape[a]) for a in opts.axes)
@@ -570,7 +572,7 @@ def _wrap_in_shard_map(opts: Options):
         _outside_shard_map(name)
         plan = tree_plan(opts, params, axes)
         fn = functools.partial(_local_init, plan, opts)
-        return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),),
+        return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
                              out_specs=state_partition_specs(plan, opts.axes))(
             placed(params, plan))
 
@@ -590,10 +592,10 @@ def _wrap_in_shard_map(opts: Options):
         specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes)
         fn = functools.partial(_local_update, plan, opts)
         if params is None:
-            return jax.shard_map(lambda g, s: fn(g, s, None), mesh=mesh,
+            return jax.shard_map(lambda g, s: fn(g, s, None), mesh=mesh, check_vma=False,
                                  in_specs=(specs, sspecs), out_specs=(specs, sspecs))(
                 placed(grads, plan), placed_state(state, sspecs))
-        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs),
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs), check_vma=False,
                              out_specs=(specs, sspecs))(
             placed(grads, plan), placed_state(state, sspecs), placed(params, plan))
 

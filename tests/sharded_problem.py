@@ -25,7 +25,7 @@ import muon_optax
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from benchmarks.common import collectives  # noqa: E402,F401  (the one HLO parser)
+from benchmarks.common import collectives, per_device_bytes  # noqa: E402,F401  (HLO parser)
 
 # Muon: a (16, 32)-stored stack of K=5 mixing orientations (three wide (in=16, out=32)
 # Flax kernels stored as is, two tall ones stored transposed) and two groups; a
@@ -179,3 +179,24 @@ def _single_update(dtype):
     tx = make_tx(None)
     params = make_params(dtype)
     return jax.jit(tx.update).lower(params, tx.init(params), params).compile(FAST_COMPILE)
+
+
+def nanochat_like(n_embd=64, n_layer=4, vocab=512):
+    """nanochat's shapes in Flax (in, out) layout."""
+    layer = {"attn": {k: (n_embd, n_embd) for k in ("c_q", "c_k", "c_v", "c_proj")},
+             "mlp": {"c_fc": (n_embd, 4 * n_embd), "c_proj": (4 * n_embd, n_embd)}}
+    shapes = {"wte": (vocab, n_embd), "lm_head": (n_embd, vocab),
+              "blocks": {str(i): layer for i in range(n_layer)},
+              "resid_lambdas": (n_layer,), "x0_lambdas": (n_layer,), "logit_scale": ()}
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
+                          is_leaf=is_shape)
+    labels = muon_optax.label_by_path([("wte", "embed"), ("lm_head", "head"),
+                                       ("lambdas|scale", "scalars")], matrix="matrix")
+    groups = {
+        "embed": dict(kind="adamw", lr=0.2, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
+        "head": dict(kind="adamw", lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
+        "scalars": dict(kind="adamw", lr=0.5, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
+        "matrix": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
+                       weight_decay=0.2),
+    }
+    return params, labels, groups

@@ -11,10 +11,8 @@ import muon_optax
 
 try:
     from . import sharded_problem as sp
-    from .test_sharding import nanochat_like
 except ImportError:
     import sharded_problem as sp
-    from test_sharding import nanochat_like
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -34,7 +32,7 @@ def _ring_bytes(hlo, n):
 
 @pytest.mark.parametrize("n", [3, 8])
 def test_estimate_matches_the_compiled_zero2_step(n):
-    params, labels, groups = nanochat_like()
+    params, labels, groups = sp.nanochat_like()
     tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
     est = muon_optax.estimate(tx, params, n)
     mesh = sp.make_mesh((n,))
@@ -58,7 +56,7 @@ def test_estimate_matches_the_compiled_zero2_step(n):
 
 def test_estimate_matches_the_compiled_fsdp_step():
     n = 8
-    params, labels, groups = nanochat_like()
+    params, labels, groups = sp.nanochat_like()
     mesh = sp.make_mesh((n,))
     specs = jax.tree.map(lambda x: P("data") if x.ndim == 2 else P(), params)
     tx = muon_optax.muon_adamw(groups, labels, axis_name="data", mesh=mesh, param_specs=specs)

@@ -40,7 +40,7 @@ def fsdp_specs(params, n):
 class Single:
     def __init__(self):
         self.tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
-        self.update = jax.jit(self.tx.update)
+        self.update = jax.jit(self.tx.update, compiler_options=sp.FAST_COMPILE)
 
     def place(self, params, state):
         return params, state
@@ -80,7 +80,7 @@ class Meshed:
         def apply(p, st, g):
             u, st = self.tx.update(g, st, p)
             return optax.apply_updates(p, u), st
-        self.apply = jax.jit(apply)
+        self.apply = jax.jit(apply, compiler_options=sp.FAST_COMPILE)
 
     def _put(self, tree):
         specs = self.specs or jax.tree.map(lambda _: P(), tree)

@@ -204,33 +204,12 @@ def test_compiled_step_uses_reduce_scatter_and_all_gather(n):
 # ------------------------------------------------------------------ per-device memory
 
 
-def nanochat_like(n_embd=64, n_layer=4, vocab=512):
-    """nanochat's shapes in Flax (in, out) layout."""
-    layer = {"attn": {k: (n_embd, n_embd) for k in ("c_q", "c_k", "c_v", "c_proj")},
-             "mlp": {"c_fc": (n_embd, 4 * n_embd), "c_proj": (4 * n_embd, n_embd)}}
-    shapes = {"wte": (vocab, n_embd), "lm_head": (n_embd, vocab),
-              "blocks": {str(i): layer for i in range(n_layer)},
-              "resid_lambdas": (n_layer,), "x0_lambdas": (n_layer,), "logit_scale": ()}
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
-                          is_leaf=sp.is_shape)
-    labels = muon_optax.label_by_path([("wte", "embed"), ("lm_head", "head"),
-                                       ("lambdas|scale", "scalars")], matrix="matrix")
-    groups = {
-        "embed": dict(kind="adamw", lr=0.2, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
-        "head": dict(kind="adamw", lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
-        "scalars": dict(kind="adamw", lr=0.5, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
-        "matrix": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
-                       weight_decay=0.2),
-    }
-    return params, labels, groups
-
-
 def _nbytes(x):
     return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
 def per_device_state_bytes(n):
-    params, labels, groups = nanochat_like()
+    params, labels, groups = sp.nanochat_like()
     tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
     mesh = sp.make_mesh((n,))
     specs = muon_optax.state_specs(tx, params, mesh)
@@ -244,7 +223,7 @@ def per_device_state_bytes(n):
 
 
 def test_per_device_state_is_a_1_over_n_share():
-    params, labels, groups = nanochat_like()
+    params, labels, groups = sp.nanochat_like()
     single = sum(_nbytes(x) for x in jax.tree.leaves(
         jax.eval_shape(muon_optax.muon_adamw(groups, labels).init, params)))
     small = 4 + sum(2 * _nbytes(params[k]) for k in ("resid_lambdas", "x0_lambdas",
