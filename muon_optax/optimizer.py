@@ -31,8 +31,8 @@ from muon_optax.labels import flat_labels, path_str
 from muon_optax.layout import Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
 from muon_optax.muon import (
     MuonStackState,
-    cautious_update,
     init_stack_state,
+    leaf_update,
     muon_direction,
     muon_hparams,
 )
@@ -118,7 +118,7 @@ def _slot_hparams(stack: Stack, hps: dict[str, dict[str, jax.Array]], comm: Coll
     return out
 
 
-def _adamw_step(plan, comm, hps, t, g_leaves, p_leaves, state, updates):
+def _adamw_step(plan, comm, configs, hps, t, g_leaves, p_leaves, state, updates):
     """AdamW leaves: fills ``updates``; returns the new ``(mu, nu)`` trees.
 
     Small params are all-reduced and updated everywhere; large ones are reduce-scattered
@@ -135,11 +135,34 @@ def _adamw_step(plan, comm, hps, t, g_leaves, p_leaves, state, updates):
             g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
             p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
         u, mu[a.index], nu[a.index] = adamw_leaf_update(
-            g, p, mu[a.index], nu[a.index], t, hps[a.group])
+            g, p, mu[a.index], nu[a.index], t, hps[a.group],
+            cfg=configs[a.group])
         if a.axis is not None:
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u
     return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
+
+
+def _leaf_sum(stack: Stack, comm: Collectives):
+    """``adaptive``'s sum over each leaf's matrices, for stacks holding a leaf of several.
+
+    Maps the per-slot ``(K_local, 1, 1)`` values to each slot's leaf total: a segment sum
+    over this device's slots, summed over the devices, read back per slot. None when
+    every leaf is one matrix (then each slot is its own total).
+    """
+    if not stack.config.adaptive or all(m.batch == 1 for m in stack.members):
+        return None
+    _, seg = np.unique(stack.slot_values(lambda m: m.index), return_inverse=True)
+    num = int(seg.max()) + 1
+
+    def leaf_sum(d):
+        local = comm.local(seg)
+        totals = jax.ops.segment_sum(d[:, 0, 0], local, num_segments=num)
+        if comm.active:
+            totals = jax.lax.psum(totals, comm.axis_name)
+        return totals[local][:, None, None]
+
+    return leaf_sum
 
 
 def _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates):
@@ -162,12 +185,15 @@ def _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates):
         if not comm.active:
             leaves = [after(x, o) for x in leaves]
         g = after(comm.mean_scatter(stack.stack(leaves), 0), o if comm.active else None)
-        o, st = muon_direction(g, st, cfg=stack.config, **_slot_hparams(stack, hps, comm))
+        o, st = muon_direction(g, st, cfg=stack.config, count=state.count,
+                               leaf_sum=_leaf_sum(stack, comm),
+                               **_slot_hparams(stack, hps, comm))
         new_states.append(st)
         for m, o_leaf in zip(stack.members, stack.unstack(comm.gather(o, 0))):
             hp = hps[m.group]
-            updates[m.index] = cautious_update(o_leaf, p_leaves[m.index],
-                                               hp["lr"] * m.lr_scale, hp["weight_decay"])
+            updates[m.index] = leaf_update(o_leaf, p_leaves[m.index], hp["lr"],
+                                           hp["weight_decay"], rows=m.rows, cols=m.cols,
+                                           cfg=stack.config)
     return tuple(new_states)
 
 
@@ -190,15 +216,16 @@ def build(
         comm = Collectives(axis_name, grads_reduced=mesh is not None)
         plan = plan_for(params, comm.size)
         leaves = plan.treedef.flatten_up_to(params)
-        moments = [optax.MaskedNode()] * len(leaves)
+        mu, nu = [optax.MaskedNode()] * len(leaves), [optax.MaskedNode()] * len(leaves)
         for a in plan.adamw:
-            moments[a.index] = jnp.zeros(_local_shape(a.padded, a.axis, comm.size),
-                                         leaves[a.index].dtype)
-        tree = plan.treedef.unflatten(moments)
+            shape, dtype = _local_shape(a.padded, a.axis, comm.size), leaves[a.index].dtype
+            mu_dtype = configs[a.group].mu_dtype
+            mu[a.index] = jnp.zeros(shape, dtype if mu_dtype is None else mu_dtype)
+            nu[a.index] = jnp.zeros(shape, dtype)
         muon = tuple(init_stack_state(s.padded // comm.size, s.rows, s.cols, s.dtype,
-                                      s.reduces_rows) for s in plan.stacks)
-        return MuonAdamWState(jnp.zeros([], jnp.int32), tree, jax.tree.map(jnp.copy, tree),
-                              muon)
+                                      s.reduces_rows, s.config) for s in plan.stacks)
+        return MuonAdamWState(jnp.zeros([], jnp.int32), plan.treedef.unflatten(mu),
+                              plan.treedef.unflatten(nu), muon)
 
     def update_fn(grads, state, params=None):
         needs_params = any(isinstance(c, MuonConfig) or c.needs_params()
@@ -228,7 +255,8 @@ def build(
         hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                       else muon_hparams(c, count)) for name, c in configs.items()}
         updates = [None] * len(g_leaves)
-        mu, nu = _adamw_step(plan, comm, hps, count + 1, g_leaves, p_leaves, state, updates)
+        mu, nu = _adamw_step(plan, comm, configs, hps, count + 1, g_leaves, p_leaves, state,
+                             updates)
         muon = _muon_step(plan, comm, hps, g_leaves, p_leaves, state, updates)
         new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon)
         return plan.treedef.unflatten(updates), new_state
@@ -308,8 +336,11 @@ def muon_adamw(
         ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
         ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``; Muon groups
         also take ``row_equilibration`` (default True), ``renormalize`` (default True),
-        ``compute_dtype`` and ``polar_method`` (see :func:`muon_optax.muon`). Every
-        scalar may be an optax schedule of the step count.
+        ``compute_dtype``, ``polar_method``, ``ns_coeffs`` ("polar_express"),
+        ``nesterov`` (True), ``normuon`` (True), ``cautious`` (True),
+        ``preconditioning`` ("basin") and ``mu_dtype`` (None) (see
+        :func:`muon_optax.muon`). Every scalar may be an optax schedule of the step
+        count.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
       dimension_numbers: which axes of a Muon leaf are input (``reduction_axis``) and
@@ -355,6 +386,12 @@ def muon(
     compute_dtype: Any = None,
     polar_method: str = "auto",
     dimension_numbers: Any = None,
+    ns_coeffs: Any = "polar_express",
+    nesterov: bool = True,
+    normuon: bool = True,
+    cautious: bool = True,
+    preconditioning: str = "basin",
+    mu_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Muon on every leaf (each must have two or more axes), as nanochat computes it.
 
@@ -366,7 +403,7 @@ def muon(
       lr: learning rate; a matrix with more rows than columns (out > in) gets
         ``lr * sqrt(out / in)``.
       momentum: Nesterov momentum coefficient.
-      ns_steps: Polar Express iterations, 1..5 (static).
+      ns_steps: polar iterations (static): 1..5 with Polar Express.
       beta2: decay rate of NorMuon's factored second moment.
       weight_decay: cautious decoupled weight decay, multiplied by ``lr``.
       row_equilibration: MuonEq row scaling before the polar iteration.
@@ -381,12 +418,29 @@ def muon(
         forces the Gram-space form (see :func:`muon_optax.polar.polar_express`).
       dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
         params -> tree); default: last two axes ``(in, out)``, leading axes batch.
+      ns_coeffs: the polynomial of each iteration: ``"polar_express"`` (default; the
+        first ``ns_steps`` of its five triples), ``"quintic"`` (Keller Jordan's
+        ``(3.4445, -4.7750, 2.0315)`` every step; then ``ns_steps`` may exceed 5), a
+        triple ``(a, b, c)`` (every step), or an ``(n, 3)`` table (its first
+        ``ns_steps`` rows; ``n >= ns_steps``).
+      nesterov: Nesterov momentum ``lerp(g, buf, momentum)`` (default); False: the
+        buffer itself.
+      normuon: NorMuon's variance reduction (default on).
+      cautious: weight decay only where the update and the weight agree in sign
+        (default); False: plain decoupled decay ``-lr_eff wd P``.
+      preconditioning: ``"basin"`` (default: ``X / (1.01 ||X||_F + 1e-6)``, after
+        MuonEq) or ``"aol"`` (Turbo-Muon's row scaling folded into the first iteration;
+        it may allow one iteration fewer); also optax's ``"frobenius"``,
+        ``"spectral"``, ``"schatten"``.
+      mu_dtype: dtype of the momentum buffer (default: the parameter's).
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
     """
     cfg = MuonConfig.make(lr, momentum, ns_steps, beta2, weight_decay, row_equilibration,
-                          renormalize, compute_dtype, polar_method, where="muon")
+                          renormalize, compute_dtype, polar_method, ns_coeffs=ns_coeffs,
+                          nesterov=nesterov, normuon=normuon, cautious=cautious,
+                          preconditioning=preconditioning, mu_dtype=mu_dtype, where="muon")
     return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
                  dimension_numbers=dimension_numbers)
 
