@@ -9,6 +9,7 @@ See the README for the mapping from nanochat's ``param_groups``.
 
 from optax.contrib import MuonDimensionNumbers
 
+from muon_optax.contrib import contrib_muon
 from muon_optax.labels import label_by_path, path_str
 from muon_optax.muon import MuonStackState
 from muon_optax.optimizer import MuonAdamWState, adamw, muon, muon_adamw
@@ -23,6 +24,7 @@ __all__ = [
     "MuonDimensionNumbers",
     "MuonStackState",
     "adamw",
+    "contrib_muon",
     "label_by_path",
     "muon",
     "muon_adamw",
