@@ -9,6 +9,7 @@ See the README for the mapping from nanochat's ``param_groups``.
 
 from optax.contrib import MuonDimensionNumbers
 
+from muon_optax.contrib import contrib_muon
 from muon_optax.engine import MuonAdamWState, MuonBuffers
 from muon_optax.estimate import estimate
 from muon_optax.hparams import current_hyperparams
@@ -32,6 +33,7 @@ __all__ = [
     "estimate",
     "export_state",
     "import_state",
+    "contrib_muon",
     "label_by_path",
     "muon",
     "muon_adamw",

@@ -44,21 +44,43 @@ def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
 
 def adamw_leaf_update(
     g: jax.Array, p: jax.Array | None, m: jax.Array, v: jax.Array, t: jax.Array,
-    hp: dict[str, jax.Array],
+    hp: dict[str, jax.Array], *, cfg: AdamWConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One AdamW step on a parameter (or a slice of one): ``(update, m, v)``.
 
     ``t`` is the 1-based step number. ``p`` may be None when weight decay is off. The
-    update is ``p_new - p`` in the parameter's dtype, ``p_new`` rounded once to it (without
-    ``p``, a bf16 update is rounded, and ``p + update`` once more).
+    update is ``p_new - p`` in the parameter's dtype; ``m`` and ``v`` keep their dtypes.
+
+    optax's options: ``hp["eps_root"]`` (if present) goes under the root,
+    ``sqrt(v_hat + eps_root)``; ``cfg.nesterov`` replaces ``m / (1 - b1^t)`` by
+    Nesterov's look-ahead ``b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)``;
+    ``cfg.optax_ema`` computes the moments as optax does, ``m = (1 - b1) g + b1 m``
+    with the product ``b1 m`` in ``m``'s dtype (not float32 for a bfloat16 ``m``) and
+    ``1 - b1`` from the exact constant (likewise ``v``).
     """
     f32 = jnp.float32
     lr, b1, b2 = hp["lr"], hp["b1"], hp["b2"]
+    nesterov = cfg is not None and cfg.nesterov
     g32 = g.astype(f32)
-    m32 = m.astype(f32) + (1 - b1) * (g32 - m.astype(f32))
-    v32 = v.astype(f32) + (1 - b2) * (g32 * g32 - v.astype(f32))
+    if cfg is not None and cfg.optax_ema:
+        # 1 - b from the exact constant: float32's 1 - f32(b) is off by an ulp of b,
+        # 1e-5 of 1 - b for b2 = 0.999, and flips bf16 roundings of m.
+        c1, c2 = (1.0 - b if isinstance(b, float) else 1 - hp_b
+                  for b, hp_b in ((cfg.b1, b1), (cfg.b2, b2)))
+        m32 = c1 * g32 + (b1.astype(m.dtype) * m).astype(f32)
+        v32 = c2 * (g32 * g32) + (b2.astype(v.dtype) * v).astype(f32)
+    else:
+        m32 = m.astype(f32) + (1 - b1) * (g32 - m.astype(f32))
+        v32 = v.astype(f32) + (1 - b2) * (g32 * g32 - v.astype(f32))
     t = t.astype(f32)
-    step = (lr / (1 - b1**t)) * m32 / (jnp.sqrt(v32 / (1 - b2**t)) + hp["eps"])
+    v_hat = v32 / (1 - b2**t)
+    if "eps_root" in hp:
+        v_hat = v_hat + hp["eps_root"]
+    if nesterov:
+        m_hat = b1 * m32 / (1 - b1 ** (t + 1)) + (1 - b1) * g32 / (1 - b1**t)
+        step = lr * m_hat / (jnp.sqrt(v_hat) + hp["eps"])
+    else:
+        step = (lr / (1 - b1**t)) * m32 / (jnp.sqrt(v_hat) + hp["eps"])
     if p is None:
         update = (-step).astype(g.dtype)
     else:  # (p * (1 - lr wd) - step) - p, with the decay term kept exact for small lr*wd

@@ -38,12 +38,13 @@ from muon_optax.adamw import adamw_hparams, adamw_leaf_update
 from muon_optax.hparams import AdamWConfig, MuonConfig
 from muon_optax.muon import (
     MuonStackState,
-    cautious_update,
-    momentum_update,
-    muon_direction,
+    dual_norm,
+    leaf_update,
+    momentum_buffer,
+    momentum_input,
     muon_hparams,
-    nesterov_input,
     normalized_direction,
+    reads_back,
 )
 from muon_optax.plan import StackPlan, TreePlan, make_tree_plan
 from muon_optax.polar import after
@@ -182,8 +183,8 @@ def _check_state(plan: TreePlan, state: Any, want: Any, name: str) -> None:
 # ------------------------------------------------------------------ AdamW
 
 
-def _adamw_phase(plan: TreePlan, comm: Collectives, hps, t, g_leaves, p_leaves, state,
-                 updates: list) -> tuple[Any, Any]:
+def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, g_leaves,
+                 p_leaves, state, updates: list) -> tuple[Any, Any]:
     """AdamW leaves: fills ``updates``; returns the new ``(mu, nu)`` trees.
 
     Split params: updated where they lie, with moments split the same way. Whole ones:
@@ -203,7 +204,7 @@ def _adamw_phase(plan: TreePlan, comm: Collectives, hps, t, g_leaves, p_leaves, 
             g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
             p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
         u, mu[a.index], nu[a.index] = adamw_leaf_update(
-            g, p, mu[a.index], nu[a.index], t, hps[a.group])
+            g, p, mu[a.index], nu[a.index], t, hps[a.group], cfg=opts.configs[a.group])
         if a.axis is not None:
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u
@@ -238,9 +239,9 @@ def _slot_hparams(sp: StackPlan, hps, comm: Collectives, j0: int, n: int) -> dic
 def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
     """Where slot ``j`` of stack ``k`` starts in this device's momentum and second-moment
     shares (a run of slots is one contiguous slice of each)."""
-    dt = sp.stack.dtype
-    return (comm.pick(plan.owner.momentum[dt].offsets[k]) + j * sp.stack.rows * sp.stack.cols,
-            comm.pick(plan.owner.second[dt].offsets[k]) + j * sp.second_size)
+    key = sp.state_key
+    return (comm.pick(plan.owner.momentum[key].offsets[k]) + j * sp.stack.rows * sp.stack.cols,
+            comm.pick(plan.owner.second[key].offsets[k]) + j * sp.second_size)
 
 
 def _slice(buf: jax.Array, start, size: int) -> jax.Array:
@@ -254,7 +255,7 @@ def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
     momentum = _slice(bufs.momentum, at[0], n * st.rows * st.cols)
     second = _slice(bufs.second_moment, at[1], n * sp.second_size)
     return MuonStackState(momentum.reshape(n, st.rows, st.cols),
-                          second.reshape((n, 1, st.cols) if st.reduces_rows else (n, st.rows, 1)))
+                          second.reshape((n,) + sp.second_shape))
 
 
 def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) -> jax.Array:
@@ -268,50 +269,112 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=1)
 
 
-def _skipped(g: jax.Array, state: MuonStackState) -> tuple[jax.Array, MuonStackState]:
-    """An unowned slot: a zero direction (varying like the computed one), state as is."""
-    zero = jnp.zeros(g.shape, state.momentum.dtype)
+def _momentum_args(cfg: MuonConfig, count: jax.Array) -> dict[str, Any]:
+    return dict(nesterov=cfg.nesterov, count=count if cfg.bias_correction else None,
+                complement=cfg.momentum_complement())
+
+
+def _slot_direction(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
+    """One run of slots, as :func:`muon_optax.muon.muon_direction`, plus the per-matrix
+    ``<U, O>`` that ``adaptive`` sums per leaf (zeros without it)."""
+    g32, comp = g.astype(jnp.float32), cfg.momentum_complement()
+    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
+                            complement=comp)
+    stored = buf32.astype(state.momentum.dtype)
+    u = momentum_input(g32, stored if reads_back(cfg, stored.dtype) else buf32,
+                       hp["momentum"], **_momentum_args(cfg, count))
+    o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
+                                transposed=hp["transposed"], cfg=cfg, dtype=dtype)
+    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else jnp.zeros((g.shape[0], 1, 1))
+    return o, MuonStackState(stored, s), d
+
+
+def _skipped(g, state: MuonStackState, dtype):
+    """An unowned slot: a zero direction (varying like a computed one), state as is."""
+    zero = jnp.zeros(g.shape, dtype)
     axes = tuple(sorted(varying_axes(g) | varying_axes(state.momentum)))
-    return (jax.lax.pcast(zero, axes, to="varying") if axes else zero), state
+    zero = jax.lax.pcast(zero, axes, to="varying") if axes else zero
+    return zero, state, jnp.zeros((g.shape[0], 1, 1))
+
+
+def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev):
+    """The ``base`` slots every device owns, as one batched program. The new momentum
+    goes into its buffer before the polar iteration starts; when ``U`` reads it back (as
+    nanochat does) it is computed straight into the buffer, with no temporary."""
+    cfg, n = sp.stack.config, sp.base
+    g, at = moves.load(k, 0, n, prev), _state_at(k, sp, plan, comm, 0)
+    state = _read_state(bufs, at, n, sp)
+    g32 = g.astype(jnp.float32)
+    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
+                            complement=cfg.momentum_complement())
+    stored = buf32.astype(state.momentum.dtype)
+    args = _momentum_args(cfg, count)
+    if reads_back(cfg, stored.dtype):
+        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored))
+        u = momentum_input(g32, _read_state(bufs, at, n, sp).momentum, hp["momentum"], **args)
+    else:
+        u = momentum_input(g32, buf32, hp["momentum"], **args)
+        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored, u))
+    o, second = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
+                                     transposed=hp["transposed"], cfg=cfg, dtype=sp.stack.dtype)
+    bufs = bufs._replace(second_moment=_write(bufs.second_moment, at[1], second, o))
+    moves.store(k, 0, o)
+    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else None
+    return bufs, o, d
 
 
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: MuonBuffers,
-                hps, comm: Collectives, prev) -> tuple[MuonBuffers, jax.Array]:
+                hps, comm: Collectives, count, prev):
     """One stack's owned slots: the first ``base`` batched, the rest one by one, each
-    skipped (``lax.cond``) on devices that own fewer. Returns the state buffers."""
-    cfg = sp.stack.config
+    skipped (``lax.cond``) on devices that own fewer. Returns the state buffers, the
+    last direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
+    cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     if sp.base:
-        g, at = moves.load(k, 0, sp.base, prev), _state_at(k, sp, plan, comm, 0)
-        state = _read_state(bufs, at, sp.base, sp)
         hp = _slot_hparams(sp, hps, comm, 0, sp.base)
-        # The new momentum is computed straight into its buffer (its only reader is its
-        # own update) and U reads it back, as nanochat does: no temporary for it.
-        mu = hp.pop("momentum")
-        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0],
-                                             momentum_update(g, state.momentum, mu)))
-        u = nesterov_input(g, _read_state(bufs, at, sp.base, sp).momentum, mu)
-        o, second = normalized_direction(u, state.second_moment, cfg=cfg,
-                                         dtype=state.momentum.dtype, **hp)
-        bufs = bufs._replace(second_moment=_write(bufs.second_moment, at[1], second, o))
-        moves.store(k, 0, o)
-        prev = o
+        bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev)
+        duals.append(d)
     counts = comm.pick(sp.counts)
     for j in range(sp.base, sp.num_slots):
         owned = counts > j
         at = _state_at(k, sp, plan, comm, j)
         g, state = moves.load(k, j, 1, prev), _read_state(bufs, at, 1, sp)
         hp = _slot_hparams(sp, hps, comm, j, 1)
-        o, state = jax.lax.cond(owned, lambda g, s: muon_direction(g, s, cfg=cfg, **hp),
-                                _skipped, g, state)
+        o, state, d = jax.lax.cond(
+            owned, lambda g, s: _slot_direction(g, s, hp, cfg, count, dtype),
+            lambda g, s: _skipped(g, s, dtype), g, state)
         # Unchanged where not owned.
         bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
         moves.store(k, j, o, owned)
+        duals.append(d)
         prev = o
-    return bufs, prev
+    return bufs, prev, (jnp.concatenate([d.reshape(-1) for d in duals])
+                        if cfg.adaptive else None)
 
 
-def _muon_phase(plan: TreePlan, comm: Collectives, hps, g_leaves, p_leaves, state,
-                updates: list) -> tuple[MuonBuffers, ...]:
+def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) -> dict:
+    """``adaptive``'s ``<U, O>`` summed over each leaf's matrices, whichever devices own
+    them: every device's slot values, all-gathered (a few numbers per device)."""
+    if not duals:
+        return {}
+    offsets, start = {}, 0
+    for k in sorted(duals):
+        offsets[k], start = start, start + plan.owner.stacks[k].num_slots
+    mine = jnp.concatenate([duals[k] for k in sorted(duals)])
+    everyone = comm.gather(mine, 0) if comm.active else mine
+    out = {}
+    for k in duals:
+        sp = plan.owner.stacks[k]
+        slot_of, first = sp.slot_of(), 0
+        for m in sp.stack.members:
+            idx = [int(sp.owners[i]) * start + offsets[k] + int(slot_of[i])
+                   for i in range(first, first + m.batch)]
+            first += m.batch
+            out[m.index] = jnp.sum(everyone[np.asarray(idx)])
+    return out
+
+
+def _muon_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, count, g_leaves,
+                p_leaves, state, updates: list) -> tuple[MuonBuffers, ...]:
     """Muon leaves: fills ``updates``; returns the new state buffers.
 
     Stacks run one after another (each reads the state buffers the previous one wrote),
@@ -319,17 +382,23 @@ def _muon_phase(plan: TreePlan, comm: Collectives, hps, g_leaves, p_leaves, stat
     carry every stack's matrices at once.
     """
     moves = Transports(plan.owner, g_leaves, comm)
-    bufs = dict(zip(plan.state_dtypes, state.muon))   # each (1, L): updated in place
-    prev = None
+    bufs = dict(zip(plan.state_keys, state.muon))   # each (1, L): updated in place
+    prev, duals = None, {}
     for k, sp in enumerate(plan.owner.stacks):
-        dt = sp.stack.dtype
-        bufs[dt], prev = _stack_step(k, sp, plan, moves, bufs[dt], hps, comm, prev)
+        key = sp.state_key
+        bufs[key], prev, d = _stack_step(k, sp, plan, moves, bufs[key], hps, comm, count, prev)
+        if d is not None:
+            duals[k] = d
     local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
     directions = moves.finish(local_shapes)
+    scales = _leaf_duals(plan, comm, duals)
     for m in plan.muon:
-        hp = hps[m.group]
-        updates[m.index] = cautious_update(directions[m.index], p_leaves[m.index],
-                                           hp["lr"] * m.lr_scale, hp["weight_decay"])
+        hp, cfg = hps[m.group], opts.configs[m.group]
+        o = directions[m.index]
+        if m.index in scales:
+            o = o.astype(jnp.float32) * scales[m.index]
+        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
+                                       rows=m.rows, cols=m.cols, cfg=cfg)
     return tuple(bufs.values())
 
 
@@ -343,17 +412,20 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
     global shapes). The one truth for init, the checks and the specs.
     """
     n = plan.num_devices
-    moments = [optax.MaskedNode()] * len(plan.paths)
+    mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
     for a in plan.adamw:
         shape = shapes[a.index] if a.local else (
             _adamw_local_shape(a, n) if per_device else a.padded)
-        moments[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
-    tree = plan.treedef.unflatten(moments)
+        mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
+        nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
     rows = 1 if per_device else n
-    muon = tuple(MuonBuffers(jax.ShapeDtypeStruct((rows, plan.owner.momentum[dt].length), dt),
-                             jax.ShapeDtypeStruct((rows, plan.owner.second[dt].length), dt))
-                 for dt in plan.state_dtypes)
-    return MuonAdamWState(jax.ShapeDtypeStruct((), jnp.int32), tree, tree, muon)
+    muon = tuple(MuonBuffers(jax.ShapeDtypeStruct((rows, plan.owner.momentum[key].length),
+                                                  key[1]),
+                             jax.ShapeDtypeStruct((rows, plan.owner.second[key].length),
+                                                  key[0]))
+                 for key in plan.state_keys)
+    return MuonAdamWState(jax.ShapeDtypeStruct((), jnp.int32), plan.treedef.unflatten(mu),
+                          plan.treedef.unflatten(nu), muon)
 
 
 def state_partition_specs(plan: TreePlan, axes: tuple[str, ...]) -> MuonAdamWState:
@@ -364,7 +436,7 @@ def state_partition_specs(plan: TreePlan, axes: tuple[str, ...]) -> MuonAdamWSta
                             else split_spec(a.axis, axes))
     tree = plan.treedef.unflatten(moments)
     buffers = MuonBuffers(split_spec(0, axes), split_spec(0, axes))
-    return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_dtypes))
+    return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_keys))
 
 
 # ------------------------------------------------------------------ the step
@@ -426,8 +498,9 @@ def _local_update(plan: TreePlan, opts: Options, grads, state, params):
     hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
     updates = [None] * len(g_leaves)
-    mu, nu = _adamw_phase(plan, comm, hps, count + 1, g_leaves, p_leaves, state, updates)
-    muon = _muon_phase(plan, comm, hps, g_leaves, p_leaves, state, updates)
+    mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, g_leaves, p_leaves, state,
+                          updates)
+    muon = _muon_phase(plan, opts, comm, hps, count, g_leaves, p_leaves, state, updates)
     new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon)
     return plan.treedef.unflatten(updates), new_state
 

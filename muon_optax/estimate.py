@@ -95,12 +95,12 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
         else:
             local = math.prod(a.shape)
             sent += 0 if reduced else 2 * (n - 1) / n * local * itemsize   # all-reduce
-        adamw_bytes += 2 * local * itemsize
+        adamw_bytes += local * (itemsize + np.dtype(a.mu_dtype or x.dtype).itemsize)
         adamw_elements += local
     muon_bytes = 0
-    for dt in plan.state_dtypes:
-        muon_bytes += (plan.owner.momentum[dt].length + plan.owner.second[dt].length) * \
-            np.dtype(dt).itemsize
+    for key in plan.state_keys:
+        muon_bytes += (plan.owner.momentum[key].length * np.dtype(key[1]).itemsize
+                       + plan.owner.second[key].length * np.dtype(key[0]).itemsize)
     for dt, ch in plan.owner.gather.items():
         sent += (n - 1) * ch.length * np.dtype(dt).itemsize * (1 if reduced else 2)
     for kind in (plan.owner.exchange, plan.owner.back):

@@ -23,14 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.polar import check_ns_steps
+from muon_optax.polar import (
+    POLAR_EXPRESS_COEFFS,
+    Coeffs,
+    check_preconditioning,
+    ns_coefficients,
+)
 
 Scalar = float | Callable[[jax.Array], Any]
 """A hyperparameter: a number, or an optax schedule ``count -> number``."""
 
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 MUON_KEYS = ("lr", "momentum", "ns_steps", "beta2", "weight_decay")
-MUON_OPTIONS = ("row_equilibration", "renormalize", "compute_dtype", "polar_method")
+MUON_OPTIONS = ("row_equilibration", "renormalize", "compute_dtype", "polar_method",
+                "ns_coeffs", "nesterov", "normuon", "cautious", "preconditioning", "mu_dtype")
 
 
 def value_at(x: Scalar, count: jax.Array) -> jax.Array:
@@ -75,25 +81,65 @@ def _check_compute_dtype(compute_dtype: Any, where: str) -> Any:
     if not jnp.issubdtype(compute_dtype, jnp.floating):
         raise TypeError(f"{where}: compute_dtype must be a float dtype, got {compute_dtype}.")
     return compute_dtype
+def _check_flag(flag: Any, name: str, where: str) -> bool:
+    if not isinstance(flag, bool):
+        raise TypeError(f"{where}: {name} must be True or False, got {flag!r}.")
+    return flag
+
+
+def _check_dtype(dtype: Any, name: str, where: str, default: str) -> Any:
+    """A float dtype, or None (``default`` says what None means)."""
+    if dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{where}: {name} {dtype!r} is not a dtype; use jnp.float32 or "
+                        f"jnp.bfloat16 (or None for {default}).") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{where}: {name} must be a float dtype, got {dtype}.")
+    return dtype
+
+
+def _mu_dtype(dtype: Any, where: str) -> Any:
+    """A momentum dtype as JAX stores it (float64 is float32 without x64), or None."""
+    dtype = _check_dtype(dtype, "mu_dtype", where, "the parameter dtype")
+    return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
-    """Hyperparameters of an AdamW group (see :func:`muon_optax.adamw`)."""
+    """Hyperparameters of an AdamW group (see :func:`muon_optax.adamw`).
+
+    ``eps_root``, ``nesterov`` and ``mu_dtype`` are optax's Adam options (used by
+    :func:`muon_optax.contrib_muon`): ``sqrt(v_hat + eps_root)``, Nesterov's bias-corrected
+    look-ahead, the first moment's dtype (None: the parameter's). ``optax_ema``: the
+    moments as optax computes them, ``m = (1 - b1) g + b1 m`` with ``1 - b1`` from the
+    exact constant and the product ``b1 m`` in ``m``'s dtype (likewise ``v``).
+    """
 
     lr: Scalar
     b1: Scalar
     b2: Scalar
     eps: Scalar
     weight_decay: Scalar
+    eps_root: Scalar = 0.0
+    nesterov: bool = False
+    mu_dtype: Any = None
+    optax_ema: bool = False
 
     @classmethod
-    def make(cls, lr, betas, eps, weight_decay, where="adamw") -> AdamWConfig:
+    def make(cls, lr, betas, eps, weight_decay, where="adamw", *, eps_root=0.0,
+             nesterov=False, mu_dtype=None, optax_ema=False) -> AdamWConfig:
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"{where}: betas must be a pair (b1, b2), got {betas!r}.")
-        return cls(*(_check_scalar(v, n, where) for v, n in (
+        scalars = (_check_scalar(v, n, where) for v, n in (
             (lr, "lr"), (betas[0], "betas[0]"), (betas[1], "betas[1]"), (eps, "eps"),
-            (weight_decay, "weight_decay"))))
+            (weight_decay, "weight_decay")))
+        return cls(*scalars, eps_root=_check_scalar(eps_root, "eps_root", where),
+                   nesterov=_check_flag(nesterov, "nesterov", where),
+                   mu_dtype=_mu_dtype(mu_dtype, where),
+                   optax_ema=_check_flag(optax_ema, "optax_ema", where))
 
     def needs_params(self) -> bool:
         """Whether ``update`` reads the params: weight decay not known to be zero.
@@ -104,14 +150,39 @@ class AdamWConfig:
         return not isinstance(self.weight_decay, float) or self.weight_decay != 0.0
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
-        """The hyperparameters at step ``count`` (steps taken before this one)."""
-        return {k: value_at(getattr(self, k), count)
-                for k in ("lr", "b1", "b2", "eps", "weight_decay")}
+        """The hyperparameters at step ``count`` (steps taken before this one).
+
+        ``eps_root`` is there only when it is not the constant 0 (optax's Adam option).
+        """
+        keys = ("lr", "b1", "b2", "eps", "weight_decay")
+        keys += () if isinstance(self.eps_root, float) and self.eps_root == 0.0 else ("eps_root",)
+        return {k: value_at(getattr(self, k), count) for k in keys}
 
 
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
-    """Hyperparameters and static options of a Muon group (see :func:`muon_optax.muon`)."""
+    """Hyperparameters and static options of a Muon group (see :func:`muon_optax.muon`).
+
+    The defaults are nanochat's rule. The options after ``polar_method`` choose another
+    rule (:func:`muon_optax.contrib_muon` sets them to optax.contrib.muon's):
+
+    - ``ns_coeffs``: the ``(a, b, c)`` of each iteration (``ns_steps`` rows), or None
+      for Polar Express's first ``ns_steps``;
+    - ``preconditioning``: one of :data:`muon_optax.polar.PRECONDITIONINGS`; ``eps`` is
+      the one of ``frobenius``/``spectral``;
+    - ``nesterov``: Nesterov look-ahead (else the momentum buffer itself);
+      ``bias_correction``: divide by ``1 - momentum^t`` as Adam does (needs the step);
+    - ``normuon``: NorMuon's variance reduction; ``cautious``: decay only where the
+      update and the weight agree in sign;
+    - ``mu_dtype``: dtype of the momentum buffer (None: the parameter's);
+      ``optax_ema``: ``buf = (1 - mu) g + mu buf`` as optax computes it, the product
+      ``mu buf`` in the buffer's dtype and ``1 - mu`` from the exact constant (else a
+      float32 lerp);
+    - ``adaptive``: scale the direction by ``<U, O>`` summed over the leaf;
+    - ``consistent_rms``: the lr scale ``sqrt(max(R, C)) * consistent_rms`` instead of
+      ``sqrt(max(1, R / C))`` (see :func:`muon_optax.muon.matrix_lr_scale`);
+    - ``scale_decay``: the decay's lr includes that scale (nanochat) or not (optax).
+    """
 
     lr: Scalar
     momentum: Scalar
@@ -122,27 +193,68 @@ class MuonConfig:
     renormalize: bool = True
     compute_dtype: Any = None
     polar_method: str = "auto"
+    ns_coeffs: Coeffs | None = None
+    preconditioning: str = "basin"
+    nesterov: bool = True
+    normuon: bool = True
+    cautious: bool = True
+    mu_dtype: Any = None
+    eps: float = 1e-8
+    bias_correction: bool = False
+    adaptive: bool = False
+    consistent_rms: float | None = None
+    scale_decay: bool = True
+    optax_ema: bool = False
 
     @classmethod
     def make(cls, lr, momentum, ns_steps, beta2, weight_decay, row_equilibration=True,
-             renormalize=True, compute_dtype=None, polar_method="auto",
-             where="muon") -> MuonConfig:
-        ns_steps = check_ns_steps(ns_steps, where)
+             renormalize=True, compute_dtype=None, polar_method="auto", *,
+             ns_coeffs="polar_express", preconditioning="basin", nesterov=True,
+             normuon=True, cautious=True, mu_dtype=None, eps=1e-8, bias_correction=False,
+             adaptive=False, consistent_rms=None, scale_decay=True,
+             optax_ema=False, where="muon") -> MuonConfig:
+        coeffs = ns_coefficients(ns_coeffs, ns_steps, where)
         if polar_method not in ("direct", "gram", "auto"):
             raise ValueError(f"{where}: polar_method must be 'direct' (the rule as written), "
                              f"'gram' or 'auto', got {polar_method!r}.")
-        for flag, name in ((row_equilibration, "row_equilibration"),
-                           (renormalize, "renormalize")):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{where}: {name} must be True or False, got {flag!r}.")
-        compute_dtype = _check_compute_dtype(compute_dtype, where)
+        flags = {name: _check_flag(value, name, where) for name, value in (
+            ("row_equilibration", row_equilibration), ("renormalize", renormalize),
+            ("nesterov", nesterov), ("normuon", normuon), ("cautious", cautious),
+            ("bias_correction", bias_correction), ("adaptive", adaptive),
+            ("scale_decay", scale_decay), ("optax_ema", optax_ema))}
+        if flags["adaptive"] and (flags["normuon"] or flags["renormalize"]):
+            raise ValueError(f"{where}: adaptive (optax.contrib.muon's <U, O> scaling) "
+                             "applies to the polar factor itself: use it with "
+                             "normuon=False and renormalize=False, whose rescalings would "
+                             "undo or reshape it.")
         return cls(
             lr=_check_scalar(lr, "lr", where),
             momentum=_check_scalar(momentum, "momentum", where),
             beta2=_check_scalar(beta2, "beta2", where),
             weight_decay=_check_scalar(weight_decay, "weight_decay", where),
-            ns_steps=ns_steps, row_equilibration=row_equilibration,
-            renormalize=renormalize, compute_dtype=compute_dtype, polar_method=polar_method)
+            ns_steps=len(coeffs), compute_dtype=_check_compute_dtype(compute_dtype, where),
+            polar_method=polar_method,
+            ns_coeffs=None if coeffs == POLAR_EXPRESS_COEFFS[:len(coeffs)] else coeffs,
+            preconditioning=check_preconditioning(preconditioning, where),
+            mu_dtype=_mu_dtype(mu_dtype, where),
+            eps=_static_float(eps, "eps", where),
+            consistent_rms=None if consistent_rms is None else _static_float(
+                consistent_rms, "consistent_rms", where),
+            **flags)
+
+    def momentum_complement(self) -> float | None:
+        """``1 - momentum`` from the exact constant, for ``optax_ema``; None otherwise.
+
+        It is part of :meth:`static_key`, so every matrix of a stack shares it.
+        """
+        if self.optax_ema and isinstance(self.momentum, float):
+            return 1.0 - self.momentum
+        return None
+
+    @property
+    def coeffs(self) -> Coeffs:
+        """The ``(a, b, c)`` of each of the ``ns_steps`` iterations."""
+        return POLAR_EXPRESS_COEFFS[:self.ns_steps] if self.ns_coeffs is None else self.ns_coeffs
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
         """The hyperparameters at step ``count`` (steps taken before this one)."""
@@ -152,7 +264,19 @@ class MuonConfig:
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
         return (self.ns_steps, self.row_equilibration, self.renormalize, self.compute_dtype,
-                self.polar_method)
+                self.polar_method, self.coeffs, self.preconditioning, self.nesterov,
+                self.normuon, self.cautious, self.mu_dtype, self.eps, self.bias_correction,
+                self.adaptive, self.consistent_rms, self.scale_decay, self.optax_ema,
+                self.momentum_complement())
+
+
+def _static_float(value: Any, name: str, where: str) -> float:
+    """A number fixed at construction (it shapes the program, not a schedule's value)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where}: {name} must be a number (static, not a schedule), "
+                        f"got {value!r}.") from e
 
 
 def _unknown(keys, allowed) -> str:

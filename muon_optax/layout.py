@@ -74,11 +74,6 @@ class MatrixLeaf:
         return (self.cols, self.rows) if self.transposed else (self.rows, self.cols)
 
     @property
-    def lr_scale(self) -> float:
-        """nanochat's aspect-ratio factor ``sqrt(max(1, R / C))``."""
-        return math.sqrt(max(1.0, self.rows / self.cols))
-
-    @property
     def matrix_axes(self) -> tuple[int, ...]:
         """The leaf's non-batch axes, in leaf order."""
         return tuple(sorted(self.out_axes + self.in_axes))

@@ -15,10 +15,20 @@ see :mod:`muon_optax.layout`), every operation per matrix:
 matrix stored transposed equilibrates its stored columns instead. ``lr_eff`` is
 ``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
 arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
+
+Every step has a switch in :class:`~muon_optax.hparams.MuonConfig`, and the other
+choices are optax.contrib.muon's (see :func:`muon_optax.contrib_muon`):
+
+    U   = buf (nesterov=False);  with bias_correction, Adam's ``1 - mu^t`` factors
+    X   = precondition(U): basin, frobenius, spectral, or aol/schatten in step one
+    O   = <U, O> O                                                    adaptive
+    P   = P - lr s O - lr_d wd P [mask]       s = matrix_lr_scale, lr_d = lr s or lr
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -26,7 +36,7 @@ import jax.numpy as jnp
 
 from muon_optax.adamw import update_in_param_dtype
 from muon_optax.hparams import MuonConfig
-from muon_optax.polar import default_compute_dtype, polar_express_stack
+from muon_optax.polar import default_compute_dtype, polar_express_stack, precondition
 
 
 class MuonStackState(NamedTuple):
@@ -48,9 +58,16 @@ def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
 
 
 def init_stack_state(k: int, rows: int, cols: int, dtype: Any,
-                     reduces_rows: bool) -> MuonStackState:
+                     reduces_rows: bool, cfg: MuonConfig | None = None) -> MuonStackState:
+    """Zero state of a stack. The momentum is in ``cfg.mu_dtype`` if set; the NorMuon
+    buffer, in the parameter dtype, is ``(k, 1, 1)`` when ``cfg.normuon`` is off (unused,
+    but it keeps the parameter dtype for :func:`muon_direction`)."""
     second = (k, 1, cols) if reduces_rows else (k, rows, 1)
-    return MuonStackState(jnp.zeros((k, rows, cols), dtype), jnp.zeros(second, dtype))
+    mu_dtype = dtype
+    if cfg is not None:
+        mu_dtype = dtype if cfg.mu_dtype is None else cfg.mu_dtype
+        second = second if cfg.normuon else (k, 1, 1)
+    return MuonStackState(jnp.zeros((k, rows, cols), mu_dtype), jnp.zeros(second, dtype))
 
 
 def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
@@ -59,13 +76,14 @@ def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
 
 
 def _input_scale(x: jax.Array, transposed: bool | jax.Array,
-                 row_equilibration: bool) -> jax.Array:
+                 row_equilibration: bool, basin: bool = True) -> jax.Array:
     """MuonEq and the basin scaling as one factor per own row, from one pass of norms.
 
     MuonEq scales each of the matrix's own rows to the RMS row norm
     ``||X||_F / sqrt(rows)``; the polar iteration then needs ``X / (1.01 ||X||_F +
     1e-6)``. The Frobenius norm after equilibration follows from the row norms, so both
-    scalings are one multiply of ``X``. Norms in float32.
+    scalings are one multiply of ``X``. Norms in float32. ``basin=False``: MuonEq alone
+    (another preconditioning follows).
     """
     x32 = x.astype(jnp.float32)
 
@@ -76,6 +94,8 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
             return 1 / (1.01 * jnp.sqrt(fro2) + 1e-6)
         own_rows = x.shape[-2] if axis == -1 else x.shape[-1]
         eq = jnp.sqrt(fro2 / own_rows) / jnp.maximum(jnp.sqrt(sq), 1e-6)
+        if not basin:
+            return eq
         fro_eq = jnp.sqrt(jnp.sum(sq * eq * eq, axis=(-2, -1), keepdims=True))
         return eq / (1.01 * fro_eq + 1e-6)
 
@@ -87,18 +107,98 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
     return jnp.where(transposed[:, None, None], factor(-2), factor(-1))
 
 
-def momentum_update(g: jax.Array, buf: jax.Array, momentum: jax.Array) -> jax.Array:
-    """Step 1a: ``buf = lerp(buf, G, 1 - momentum)``, stored in the buffer's dtype."""
+def momentum_buffer(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
+                    optax_ema: bool = False, complement: float | None = None) -> jax.Array:
+    """Step 1a: the new momentum buffer ``lerp(buf, G, 1 - mu)``, in float32.
+
+    ``g`` is float32, ``buf`` the stored buffer (any dtype), ``momentum`` a scalar or
+    ``(K, 1, 1)``. ``optax_ema``: ``(1 - mu) g + mu buf`` with the product ``mu buf`` in
+    the buffer's dtype, as optax computes it; ``complement``, if given, is ``1 - mu``
+    from the exact (Python) ``mu`` (float32's ``1 - f32(mu)`` is off by up to an ulp of
+    ``mu``, which flips roundings of a bfloat16 buffer).
+    """
+    c = 1 - momentum if complement is None else complement
+    if optax_ema:
+        return c * g + (momentum.astype(buf.dtype) * buf).astype(jnp.float32)
+    buf = buf.astype(jnp.float32)
+    return buf + c * (g - buf)
+
+
+def momentum_input(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
+                   nesterov: bool = True, count: jax.Array | None = None,
+                   complement: float | None = None) -> jax.Array:
+    """Step 1b: the direction ``U`` that is orthogonalized, in float32, from the new
+    buffer: ``lerp(G, buf, mu)`` (Nesterov) or ``buf``. With ``count`` (steps taken
+    before this one, ``t = count + 1``) both terms are bias-corrected as in Adam:
+    ``mu buf / (1 - mu^(t+1)) + (1 - mu) G / (1 - mu^t)``, or ``buf / (1 - mu^t)``."""
+    buf = buf.astype(jnp.float32)
+    if count is None:
+        return g + momentum * (buf - g) if nesterov else buf
+    c = 1 - momentum if complement is None else complement
+    t = count.astype(jnp.float32) + 1
+    if nesterov:
+        return momentum * buf / (1 - momentum ** (t + 1)) + c * g / (1 - momentum**t)
+    return buf / (1 - momentum**t)
+
+
+def momentum_step(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
+                  nesterov: bool = True, count: jax.Array | None = None,
+                  optax_ema: bool = False,
+                  complement: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """Step 1 as optax runs it: ``(U, new buffer)``, both float32, ``U`` from the new
+    buffer before it is stored (see :func:`momentum_buffer`, :func:`momentum_input`)."""
+    new = momentum_buffer(g, buf, momentum, optax_ema=optax_ema, complement=complement)
+    return momentum_input(g, new, momentum, nesterov=nesterov, count=count,
+                          complement=complement), new
+
+
+def reads_back(cfg: MuonConfig, buf_dtype: Any) -> bool:
+    """Whether ``U`` is formed from the stored (rounded) buffer, as nanochat reads it back
+    after its in-place update, or from the float32 one, as optax does. The same when the
+    buffer is float32."""
+    return not cfg.optax_ema or jnp.dtype(buf_dtype) == jnp.float32
+
+
+def dual_norm(u: jax.Array, o: jax.Array) -> jax.Array:
+    """``<U, O>`` per matrix, ``(K, 1, 1)``: ``adaptive``'s step length (summed over a
+    whole leaf's matrices by :func:`dual_norm_scale` or by the engine)."""
+    return jnp.sum(u * o, axis=(-2, -1), keepdims=True)
+
+
+def dual_norm_scale(u: jax.Array, o: jax.Array,
+                    leaf_sum: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """``adaptive``: ``O <U, O>``, the steepest-descent step length under the spectral norm.
+
+    ``<U, O> = sum(U * O)`` estimates the nuclear norm of ``U`` (exact when ``O`` is its
+    polar factor; arXiv:2409.20325). It is summed over a whole parameter leaf (several
+    matrices when it has batch axes): ``leaf_sum`` maps the per-matrix ``(K, 1, 1)`` sums
+    to each matrix's leaf total (None: every matrix is its own leaf).
+    """
+    d = dual_norm(u, o)
+    return o * (d if leaf_sum is None else leaf_sum(d))
+
+
+def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
+                    compute_dtype: Any) -> jax.Array:
+    """Steps 2-5: MuonEq, the preconditioning and the polar iteration of ``U``."""
     f32 = jnp.float32
-    g32, buf32 = g.astype(f32), buf.astype(f32)
-    return (buf32 + (1 - momentum) * (g32 - buf32)).astype(buf.dtype)
-
-
-def nesterov_input(g: jax.Array, buf: jax.Array, momentum: jax.Array) -> jax.Array:
-    """Step 1b: ``U = lerp(G, buf, momentum)`` in float32, from the stored new buffer
-    (as nanochat reads it back after its in-place update)."""
-    g32 = g.astype(jnp.float32)
-    return g32 + momentum * (buf.astype(jnp.float32) - g32)
+    rows, cols = u.shape[-2:]
+    x = u.astype(compute_dtype)
+    if cfg.preconditioning == "basin":
+        x = x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration)
+    else:
+        if cfg.row_equilibration:
+            x = x.astype(f32) * _input_scale(x, transposed, True, basin=False)
+        x = precondition(x.astype(compute_dtype), cfg.preconditioning, cfg.eps)
+    x = x.astype(compute_dtype)
+    # AOL scales the Gram side's rows, so it is not transpose-equivariant: a square runs
+    # it on its input side (as optax does), the stored columns when stored (out, in).
+    on_cols = cfg.preconditioning == "aol" and rows == cols and transposed is False
+    if on_cols:
+        x = jnp.swapaxes(x, -1, -2)
+    o = polar_express_stack(x, cfg.ns_steps, cfg.polar_method, coeffs=cfg.coeffs,
+                            preconditioning=cfg.preconditioning)
+    return jnp.swapaxes(o, -1, -2) if on_cols else o
 
 
 def normalized_direction(
@@ -110,8 +210,9 @@ def normalized_direction(
     cfg: MuonConfig,
     dtype: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    """Steps 2-7 on a stored stack ``U`` (float32): the direction ``O`` (in ``dtype``, the
-    parameter dtype) and the new NorMuon second moment.
+    """Steps 2-7 on a stored stack ``U`` (float32): the direction ``O`` in ``dtype`` (the
+    parameter dtype) and the new NorMuon second moment (``adaptive``'s scaling is not
+    applied here: it needs the whole leaf, see :func:`dual_norm_scale`).
 
     Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
     column, so each side of the polar iteration is one pass of statistics and one
@@ -119,11 +220,13 @@ def normalized_direction(
     """
     f32 = jnp.float32
     rows, cols = u.shape[-2:]
-    compute_dtype = cfg.compute_dtype or default_compute_dtype()
-    x = u.astype(compute_dtype)
-    x = (x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration))
-    o = polar_express_stack(x.astype(compute_dtype), cfg.ns_steps, cfg.polar_method)
+    o = _orthogonalized(u, transposed, cfg, cfg.compute_dtype or default_compute_dtype())
     o = o.astype(dtype).astype(f32)  # the rule rounds O to the parameter dtype here
+    if not cfg.normuon:
+        if cfg.renormalize:  # Muon+ alone
+            fro = jnp.sqrt(jnp.sum(o * o, axis=(-2, -1), keepdims=True))
+            o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6))
+        return o.astype(dtype), second_moment
 
     # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
     # the matrix's overall norm is kept. Muon+ (O * sqrt(min(R, C)) / ||O||_F) scales
@@ -153,20 +256,48 @@ def muon_direction(
     beta2: jax.Array,
     transposed: bool | jax.Array,
     cfg: MuonConfig,
+    count: jax.Array | None = None,
+    leaf_sum: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, MuonStackState]:
     """Steps 1-7 of Muon on a stored stack: the direction ``O`` and the new state.
 
-    ``g`` is ``(K, R, C)`` with ``R <= C``, in the parameter dtype, which ``O`` and the
-    state keep. ``momentum`` and ``beta2`` are scalars or per-matrix ``(K, 1, 1)``
-    arrays. ``transposed`` says whether a matrix's own rows are the stored columns (a
-    bool for the whole stack, or a ``(K,)`` array). Zero padding stays exactly zero.
-    (The engine runs the two halves itself, to write the momentum back early.)
+    ``g`` is ``(K, R, C)`` with ``R <= C``. ``O`` and the NorMuon buffer keep the
+    parameter dtype (the NorMuon buffer's), the momentum its own (``cfg.mu_dtype``).
+    ``momentum`` and ``beta2`` are scalars or per-matrix ``(K, 1, 1)`` arrays.
+    ``transposed`` says whether a matrix's own rows are the stored columns (a bool for
+    the whole stack, or a ``(K,)`` array). ``count`` (steps before this one) is needed
+    with ``cfg.bias_correction``; ``leaf_sum`` with ``cfg.adaptive`` for leaves of
+    several matrices (see :func:`dual_norm_scale`). Zero padding stays exactly zero.
+    (The engine runs the same steps in two halves, to store the momentum early.)
     """
-    buf = momentum_update(g, state.momentum, momentum)
-    u = nesterov_input(g, buf, momentum)
+    if cfg.bias_correction and count is None:
+        raise ValueError("muon_direction: bias_correction needs count= (the step count).")
+    g32 = g.astype(jnp.float32)
+    comp = cfg.momentum_complement()
+    buf32 = momentum_buffer(g32, state.momentum, momentum, optax_ema=cfg.optax_ema,
+                            complement=comp)
+    new_buf = buf32.astype(state.momentum.dtype)
+    u = momentum_input(g32, new_buf if reads_back(cfg, new_buf.dtype) else buf32, momentum,
+                       nesterov=cfg.nesterov, count=count if cfg.bias_correction else None,
+                       complement=comp)
+    dtype = state.second_moment.dtype
     o, s = normalized_direction(u, state.second_moment, beta2=beta2, transposed=transposed,
-                                cfg=cfg, dtype=state.momentum.dtype)
-    return o, MuonStackState(buf, s)
+                                cfg=cfg, dtype=dtype)
+    if cfg.adaptive:
+        o = dual_norm_scale(u, o.astype(jnp.float32), leaf_sum).astype(dtype)
+    return o, MuonStackState(new_buf, s)
+
+
+def matrix_lr_scale(rows: int, cols: int, cfg: MuonConfig | None = None) -> float:
+    """The per-matrix factor of the learning rate, from its own ``rows x cols`` (out x in).
+
+    nanochat's (and optax's default) aspect factor ``sqrt(max(1, R / C))``; with
+    ``cfg.consistent_rms = c``, ``c sqrt(max(R, C))``, which gives every shape an update
+    RMS of about ``c`` (arXiv:2502.16982; 0.2 matches AdamW's).
+    """
+    if cfg is None or cfg.consistent_rms is None:
+        return math.sqrt(max(1.0, rows / cols))
+    return math.sqrt(max(rows, cols)) * cfg.consistent_rms
 
 
 def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
@@ -182,3 +313,20 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
     update = -lr * o32 - (lr * weight_decay) * jnp.where(o32 * p32 >= 0, p32, 0.0)
     return update_in_param_dtype(p32, update, p.dtype)
+
+
+def leaf_update(o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array, *,
+                rows: int, cols: int, cfg: MuonConfig) -> jax.Array:
+    """Steps 8-9 for one leaf from its group's ``lr`` and ``weight_decay``.
+
+    ``P_new - P = -lr s O - lr_d wd P [mask]``: ``s = matrix_lr_scale(rows, cols, cfg)``;
+    ``lr_d = lr s`` (``cfg.scale_decay``, nanochat) or ``lr`` (optax); the mask is
+    ``O P >= 0`` when ``cfg.cautious``, else everywhere. In the parameter's dtype.
+    """
+    lr_o = lr * matrix_lr_scale(rows, cols, cfg)
+    if cfg.cautious and cfg.scale_decay:
+        return cautious_update(o, p, lr_o, weight_decay)
+    o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
+    decayed = jnp.where(o32 * p32 >= 0, p32, 0.0) if cfg.cautious else p32
+    lr_d = lr_o if cfg.scale_decay else lr
+    return update_in_param_dtype(p32, -lr_o * o32 - (lr_d * weight_decay) * decayed, p.dtype)

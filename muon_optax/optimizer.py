@@ -14,24 +14,9 @@ import optax
 
 from muon_optax.engine import build
 from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
+from muon_optax.sharding import check_owner_args
 
 SMALL_PARAM_THRESHOLD = 1024
-
-
-def _check_sharding_args(axis_name: Any, mesh: Any, where: str) -> None:
-    from muon_optax.sharding import owner_axes
-
-    axes = owner_axes(axis_name)
-    if mesh is None:
-        return
-    if axes is None:
-        raise ValueError(f"{where}: mesh= needs axis_name= naming the mesh axes that own the "
-                         f"Muon matrices, one of {tuple(getattr(mesh, 'shape', {}))} or a tuple "
-                         "of them.")
-    missing = [a for a in axes if a not in getattr(mesh, "shape", {})]
-    if missing:
-        raise ValueError(f"{where}: mesh= has axes {tuple(getattr(mesh, 'shape', {}))}, not "
-                         f"{missing[0]!r} (axis_name={axis_name!r}).")
 
 
 def muon_adamw(
@@ -51,8 +36,11 @@ def muon_adamw(
         ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
         ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``; Muon groups
         also take ``row_equilibration`` (default True), ``renormalize`` (default True),
-        ``compute_dtype`` and ``polar_method`` (see :func:`muon_optax.muon`). Every
-        scalar may be an optax schedule of the step count.
+        ``compute_dtype``, ``polar_method``, ``ns_coeffs`` ("polar_express"),
+        ``nesterov`` (True), ``normuon`` (True), ``cautious`` (True),
+        ``preconditioning`` ("basin") and ``mu_dtype`` (None) (see
+        :func:`muon_optax.muon`). Every scalar may be an optax schedule of the step
+        count.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
       dimension_numbers: which axes of a Muon leaf are input (``reduction_axis``) and
@@ -84,7 +72,7 @@ def muon_adamw(
       needs ``params``.
     """
     configs = parse_groups(groups)
-    _check_sharding_args(axis_name, mesh, "muon_adamw")
+    check_owner_args(axis_name, mesh, "muon_adamw")
     if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
         raise TypeError("small_param_threshold must be an int (elements).")
     return build(configs, param_labels, dimension_numbers=dimension_numbers,
@@ -104,6 +92,12 @@ def muon(
     compute_dtype: Any = None,
     polar_method: str = "auto",
     dimension_numbers: Any = None,
+    ns_coeffs: Any = "polar_express",
+    nesterov: bool = True,
+    normuon: bool = True,
+    cautious: bool = True,
+    preconditioning: str = "basin",
+    mu_dtype: Any = None,
     axis_name: str | tuple[str, ...] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
@@ -118,7 +112,7 @@ def muon(
       lr: learning rate; a matrix with more rows than columns (out > in) gets
         ``lr * sqrt(out / in)``.
       momentum: Nesterov momentum coefficient.
-      ns_steps: Polar Express iterations, 1..5 (static).
+      ns_steps: polar iterations (static): 1..5 with Polar Express.
       beta2: decay rate of NorMuon's factored second moment.
       weight_decay: cautious decoupled weight decay, multiplied by ``lr``.
       row_equilibration: MuonEq row scaling before the polar iteration.
@@ -133,6 +127,21 @@ def muon(
         forces the Gram-space form (see :func:`muon_optax.polar.polar_express`).
       dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
         params -> tree); default: last two axes ``(in, out)``, leading axes batch.
+      ns_coeffs: the polynomial of each iteration: ``"polar_express"`` (default; the
+        first ``ns_steps`` of its five triples), ``"quintic"`` (Keller Jordan's
+        ``(3.4445, -4.7750, 2.0315)`` every step; then ``ns_steps`` may exceed 5), a
+        triple ``(a, b, c)`` (every step), or an ``(n, 3)`` table (its first
+        ``ns_steps`` rows; ``n >= ns_steps``).
+      nesterov: Nesterov momentum ``lerp(g, buf, momentum)`` (default); False: the
+        buffer itself.
+      normuon: NorMuon's variance reduction (default on).
+      cautious: weight decay only where the update and the weight agree in sign
+        (default); False: plain decoupled decay ``-lr_eff wd P``.
+      preconditioning: ``"basin"`` (default: ``X / (1.01 ||X||_F + 1e-6)``, after
+        MuonEq) or ``"aol"`` (Turbo-Muon's row scaling folded into the first iteration;
+        it may allow one iteration fewer); also optax's ``"frobenius"``,
+        ``"spectral"``, ``"schatten"``.
+      mu_dtype: dtype of the momentum buffer (default: the parameter's).
       axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw` (for
         ``optax.partition`` users who shard).
 
@@ -140,8 +149,10 @@ def muon(
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
     """
     cfg = MuonConfig.make(lr, momentum, ns_steps, beta2, weight_decay, row_equilibration,
-                          renormalize, compute_dtype, polar_method, where="muon")
-    _check_sharding_args(axis_name, mesh, "muon")
+                          renormalize, compute_dtype, polar_method, ns_coeffs=ns_coeffs,
+                          nesterov=nesterov, normuon=normuon, cautious=cautious,
+                          preconditioning=preconditioning, mu_dtype=mu_dtype, where="muon")
+    check_owner_args(axis_name, mesh, "muon")
     return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
                  dimension_numbers=dimension_numbers, axis_name=axis_name, mesh=mesh,
                  param_specs=param_specs, name="muon")
@@ -175,6 +186,6 @@ def adamw(
       An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
     """
     cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
-    _check_sharding_args(axis_name, mesh, "adamw")
+    check_owner_args(axis_name, mesh, "adamw")
     return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params),
                  axis_name=axis_name, mesh=mesh, param_specs=param_specs, name="adamw")

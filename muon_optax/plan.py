@@ -126,9 +126,23 @@ class StackPlan:
         return out
 
     @property
+    def second_shape(self) -> tuple[int, int]:
+        """One matrix's NorMuon second moment, stored: a row or a column (one unused
+        element when the group runs without NorMuon)."""
+        st = self.stack
+        if not st.config.normuon:
+            return (1, 1)
+        return (1, st.cols) if st.reduces_rows else (st.rows, 1)
+
+    @property
     def second_size(self) -> int:
-        """Elements of one matrix's NorMuon second moment."""
-        return self.stack.cols if self.stack.reduces_rows else self.stack.rows
+        return math.prod(self.second_shape)
+
+    @property
+    def state_key(self) -> tuple[Any, Any]:
+        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers."""
+        mu = self.stack.config.mu_dtype
+        return self.stack.dtype, self.stack.dtype if mu is None else np.dtype(mu)
 
 
 
@@ -323,8 +337,8 @@ class OwnerPlan:
     gather: dict[Any, Channel]       # grad dtype -> channel of the "gather" stacks
     exchange: dict[Any, Channel]     # grad dtype -> all-to-all pieces, towards owners
     back: dict[Any, Channel]         # grad dtype -> all-to-all blocks, back to holders
-    momentum: dict[Any, Channel]     # state dtype -> momentum of the owned matrices
-    second: dict[Any, Channel]       # state dtype -> their NorMuon second moments
+    momentum: dict[Any, Channel]     # state key -> momentum of the owned matrices
+    second: dict[Any, Channel]       # state key -> their NorMuon second moments
     local_slots: dict[int, list[list[tuple[int, int]]]]  # stack -> device -> (member, b)
 
     def state_dtype(self, k: int) -> Any:
@@ -364,7 +378,7 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[tuple[str, Rou
     for k, (stack, hold) in enumerate(zip(stacks, holders)):
         f = matrix_flops(stack)
         s = stack.rows * stack.cols + (stack.cols if stack.reduces_rows else stack.rows)
-        for i in range(stack.size):
+        for i in range(stack.size):  # (state in the parameter dtype; the cost model only)
             flops.append(f)
             state.append(s * np.dtype(stack.dtype).itemsize)
             fixed.append(-1 if hold is None else int(hold[i]))
@@ -403,10 +417,10 @@ def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.
 
 
 def _state_channels(stacks: tuple[StackPlan, ...], size_of) -> dict[Any, Channel]:
-    by_dtype: dict[Any, list[int]] = {}
+    by_key: dict[Any, list[int]] = {}
     for k, sp in enumerate(stacks):
-        by_dtype.setdefault(sp.stack.dtype, []).append(k)
-    return {dt: make_channel(stacks, ks, size_of) for dt, ks in by_dtype.items()}
+        by_key.setdefault(sp.state_key, []).append(k)
+    return {key: make_channel(stacks, ks, size_of) for key, ks in by_key.items()}
 
 
 # ------------------------------------------------------------------ a params tree's plan
@@ -429,6 +443,7 @@ class AdamWLeaf:
     axis: int | None
     padded: tuple[int, ...]
     local: bool = False
+    mu_dtype: Any = None          # the first moment's dtype (None: the parameter's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,8 +463,8 @@ class TreePlan:
         return self.owner.num_devices
 
     @property
-    def state_dtypes(self) -> tuple[Any, ...]:
-        """The dtypes of the Muon state buffers, in state order."""
+    def state_keys(self) -> tuple[tuple[Any, Any], ...]:
+        """``(parameter dtype, momentum dtype)`` of each Muon state buffer pair, in order."""
         return tuple(self.owner.momentum)
 
 
@@ -488,11 +503,13 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             matrices.append(leaf)
         elif any(specs[i]):
-            adamw_leaves.append(AdamWLeaf(i, path, label, shape, None, shape, local=True))
+            adamw_leaves.append(AdamWLeaf(i, path, label, shape, None, shape, local=True,
+                                          mu_dtype=configs[label].mu_dtype))
         else:
             axis = adamw_shard_axis(shape, n, threshold)
             adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis,
-                                          padded_shape(shape, axis, n)))
+                                          padded_shape(shape, axis, n),
+                                          mu_dtype=configs[label].mu_dtype))
     stacks = plan_stacks(matrices, configs, lambda leaf: _signature(leaf, *kinds[leaf.index]))
     holders, held = [], []
     for st in stacks:

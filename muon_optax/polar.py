@@ -15,6 +15,7 @@ one XLA program, which is what nanochat gets from torch.compile'd kernels.
 
 from __future__ import annotations
 
+import difflib
 import operator
 from typing import Any
 
@@ -31,6 +32,35 @@ POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
+
+# Keller Jordan's quintic Newton-Schulz triple (modded-nanogpt), repeated every step:
+# the steepest slope at zero that still keeps the singular values near one (they end
+# in about [0.7, 1.2], not at 1). optax.contrib.muon's default ("standard").
+QUINTIC_COEFFS: tuple[tuple[float, float, float], ...] = ((3.4445, -4.7750, 2.0315),)
+
+# Dion's five-step table (Ahn et al., arXiv:2504.05295), optax.contrib.muon's "dion".
+DION_COEFFS: tuple[tuple[float, float, float], ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+# Presets of muon_optax.muon: a table runs its first ns_steps rows; a one-row preset
+# repeats its triple ns_steps times.
+NS_COEFF_PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "polar_express": POLAR_EXPRESS_COEFFS,
+    "quintic": QUINTIC_COEFFS,
+}
+
+# How the matrix is brought into the iteration's basin (spectral norm <= 1):
+#   basin      X / (1.01 ||X||_F + 1e-6)            nanochat (fused with MuonEq in muon.py)
+#   frobenius  X / (||X||_F + eps)                  optax's default
+#   spectral   X / (||X||_2 + eps)                  exact, but an SVD
+#   aol        rows scaled by 1/sqrt(sum_j |A_ij|), A = X X^T, inside the first step
+#   schatten   X / sqrt(||X X^T||_F) (the Schatten-4 norm), inside the first step
+PRECONDITIONINGS = ("basin", "frobenius", "spectral", "aol", "schatten")
 
 
 def default_compute_dtype() -> jnp.dtype:
@@ -62,6 +92,74 @@ def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
             f"{where}: ns_steps={ns_steps} is outside 1..{len(POLAR_EXPRESS_COEFFS)}; Polar "
             f"Express has coefficients for {len(POLAR_EXPRESS_COEFFS)} iterations.")
     return ns_steps
+
+
+Coeffs = tuple[tuple[float, float, float], ...]
+
+
+def coefficient_rows(ns_coeffs: Any, where: str,
+                     presets: dict[str, Coeffs] | None = None) -> tuple[Coeffs, bool]:
+    """``(rows, is_table)`` of a preset name, a triple ``(a, b, c)`` or an ``(n, 3)`` table.
+
+    A preset is a table unless it has one row (then it is a triple, repeated). Raises a
+    ``ValueError`` naming ``where`` for an unknown preset or a malformed shape.
+    """
+    presets = NS_COEFF_PRESETS if presets is None else presets
+    if isinstance(ns_coeffs, str):
+        if ns_coeffs not in presets:
+            close = difflib.get_close_matches(ns_coeffs, presets, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where}: unknown ns_coeffs preset {ns_coeffs!r}{hint}; presets "
+                             f"are {', '.join(map(repr, presets))}, or pass a triple "
+                             "(a, b, c) or an (n, 3) table of them.")
+        rows = presets[ns_coeffs]
+        return rows, len(rows) > 1
+    try:
+        table = np.asarray(ns_coeffs, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: ns_coeffs must be a preset name, a triple (a, b, c) or "
+                         f"an (n, 3) table of numbers, got {ns_coeffs!r}.") from e
+    if table.ndim not in (1, 2) or table.shape[-1] != 3 or table.size == 0:
+        raise ValueError(f"{where}: ns_coeffs must be a triple (a, b, c) (shape (3,)) or an "
+                         f"(n, 3) table, one row per iteration; got shape {table.shape}.")
+    if not np.all(np.isfinite(table)):
+        raise ValueError(f"{where}: ns_coeffs holds a non-finite number: {table.tolist()}.")
+    rows = tuple(tuple(float(v) for v in row) for row in table.reshape(-1, 3))
+    return rows, table.ndim == 2
+
+
+def ns_coefficients(ns_coeffs: Any, ns_steps: object, where: str = "muon") -> Coeffs:
+    """The ``(a, b, c)`` of each of the ``ns_steps`` iterations, for ``muon``'s options.
+
+    A triple (or one-row preset, ``"quintic"``) is repeated ``ns_steps`` times; a table
+    (``"polar_express"``, or an ``(n, 3)`` array) gives its first ``ns_steps`` rows and
+    must have that many.
+    """
+    if isinstance(ns_coeffs, str) and ns_coeffs == "polar_express":
+        return POLAR_EXPRESS_COEFFS[:check_ns_steps(ns_steps, where)]
+    rows, is_table = coefficient_rows(ns_coeffs, where)
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+        raise TypeError(f"{where}: ns_steps must be a Python int >= 1, got {ns_steps!r}.")
+    if ns_steps < 1:
+        raise ValueError(f"{where}: ns_steps={ns_steps}; Muon needs at least one iteration.")
+    if not is_table:
+        return rows * ns_steps
+    if len(rows) < ns_steps:
+        raise ValueError(f"{where}: ns_coeffs has {len(rows)} rows, too few for "
+                         f"ns_steps={ns_steps} (one row per iteration); pass ns_steps <= "
+                         f"{len(rows)} or a longer table.")
+    return rows[:ns_steps]
+
+
+def check_preconditioning(kind: object, where: str,
+                          allowed: tuple[str, ...] = PRECONDITIONINGS) -> str:
+    """``kind`` is one of ``allowed``; else a ``ValueError`` naming ``where`` and them."""
+    if not isinstance(kind, str) or kind not in allowed:
+        close = difflib.get_close_matches(str(kind), allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{where}: unknown preconditioning {kind!r}{hint}; use one of "
+                         f"{', '.join(map(repr, allowed))}.")
+    return kind
 
 
 def fro_norm(x: jax.Array) -> jax.Array:
@@ -178,9 +276,78 @@ def polar_express(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> ja
     - ``"auto"``: ``"gram"`` where it saves FLOPs and ``x`` is float32.
     """
     check_ns_steps(ns_steps, "polar_express")
-    coeffs = POLAR_EXPRESS_COEFFS[:ns_steps]
-    method = choose_method(x.shape[-2], x.shape[-1], ns_steps, method, x.dtype)
-    if method == "direct" or ns_steps <= GRAM_DIRECT_STEPS + 1:
+    return polar_iteration(x, POLAR_EXPRESS_COEFFS[:ns_steps], method)
+
+
+def precondition(x: jax.Array, kind: str, eps: float = 1e-8) -> jax.Array:
+    """Scales each matrix of ``x`` (..., R, C) into the iteration's basin, in ``x.dtype``.
+
+    ``basin``: ``X / (1.01 ||X||_F + 1e-6)``; ``frobenius``: ``X / (||X||_F + eps)``;
+    ``spectral``: ``X / (||X||_2 + eps)`` (an SVD per matrix). ``aol`` and ``schatten``
+    scale inside the first step (:func:`preconditioned_step`): ``x`` is returned as is.
+    Norms and the scaling in float32, rounded once to ``x.dtype``.
+    """
+    if kind in ("aol", "schatten"):
+        return x
+    x32 = x.astype(jnp.float32)
+    if kind == "basin":
+        return (x32 / (1.01 * fro_norm(x) + 1e-6)).astype(x.dtype)
+    if kind == "frobenius":
+        return (x32 / (fro_norm(x) + eps)).astype(x.dtype)
+    if kind == "spectral":
+        sv = jnp.linalg.svd(x32, compute_uv=False)
+        return (x32 / (jnp.max(sv, axis=-1)[..., None, None] + eps)).astype(x.dtype)
+    raise ValueError(f"unknown preconditioning {kind!r}; use one of {PRECONDITIONINGS}.")
+
+
+def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
+                        kind: str) -> jax.Array:
+    """The first iteration with AOL or Schatten-4 scaling folded into its Gram matrix.
+
+    With ``A = X X^T`` on the short side (rows here; a tall ``x`` is run transposed):
+
+    - ``aol`` (Turbo-Muon, arXiv:2512.04632): ``D = diag(1 / sqrt(sum_j |A_ij|))``, a
+      row scaling that bounds the spectral norm by one (Gershgorin) and is often far
+      tighter than the Frobenius norm; ``X <- D X``, ``A <- D A D``;
+    - ``schatten``: ``s = 1 / sqrt(||A||_F)``, i.e. ``X / ||X||_{S4}``;
+      ``X <- s X``, ``A <- s^2 A``.
+
+    Both clamp the sums at 1e-8, so a zero matrix stays zero. Then
+    ``X <- (a I + b A + c A^2) X`` as every other step. ``A`` is formed once. The
+    scalings and the polynomial are formed in float32 and rounded once.
+    """
+    if x.shape[-2] > x.shape[-1]:
+        return jnp.swapaxes(preconditioned_step(jnp.swapaxes(x, -1, -2), abc, kind), -1, -2)
+    a, b, c = abc
+    f32, dtype = jnp.float32, x.dtype
+    gram = _matmul(x, jnp.swapaxes(x, -1, -2)).astype(f32)
+    if kind == "aol":
+        s = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1, keepdims=True), 1e-8))
+        x, gram = x.astype(f32) * s, gram * s * jnp.swapaxes(s, -1, -2)
+    elif kind == "schatten":
+        s = jax.lax.rsqrt(jnp.maximum(jnp.sqrt(jnp.sum(gram * gram, axis=(-2, -1),
+                                                       keepdims=True)), 1e-8))
+        x, gram = x.astype(f32) * s, gram * (s * s)
+    else:
+        raise ValueError(f"preconditioned_step: kind must be 'aol' or 'schatten', got {kind!r}.")
+    return _matmul(_polynomial(gram.astype(dtype), a, b, c), x.astype(dtype))
+
+
+def polar_iteration(x: jax.Array, coeffs: Coeffs, method: str = "direct", *,
+                    preconditioning: str = "basin") -> jax.Array:
+    """One odd-polynomial step per ``(a, b, c)`` row of ``coeffs`` on ``x`` (..., R, C).
+
+    ``x`` must already be scaled (:func:`precondition`), except for ``"aol"`` and
+    ``"schatten"``, whose scaling is part of the first step (:func:`preconditioned_step`).
+    ``method`` as in :func:`polar_express`, for the steps after that first one.
+    """
+    coeffs = tuple(coeffs)
+    if preconditioning in ("aol", "schatten") and coeffs:
+        x, coeffs = preconditioned_step(x, coeffs[0], preconditioning), coeffs[1:]
+    if not coeffs:
+        return x
+    method = choose_method(x.shape[-2], x.shape[-1], len(coeffs), method, x.dtype)
+    if method == "direct" or len(coeffs) <= GRAM_DIRECT_STEPS + 1:
         return _direct_steps(x, coeffs)
     x = _direct_steps(x, coeffs[:GRAM_DIRECT_STEPS])
     return _gram_space_steps(x, coeffs[GRAM_DIRECT_STEPS:])
@@ -213,12 +380,24 @@ def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
     return (x.astype(jnp.float32) + zero).astype(x.dtype)
 
 
-def polar_express_stack(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> jax.Array:
-    """:func:`polar_express` on a stack ``(K, R, C)``: batched, or per matrix on CPU."""
+def polar_express_stack(x: jax.Array, ns_steps: int = 5, method: str = "direct", *,
+                        coeffs: Coeffs | None = None,
+                        preconditioning: str = "basin") -> jax.Array:
+    """:func:`polar_express` on a stack ``(K, R, C)``: batched, or per matrix on CPU.
+
+    With ``coeffs`` (one ``(a, b, c)`` per step) it runs :func:`polar_iteration` with
+    them and ``preconditioning`` instead; ``ns_steps`` is then ``len(coeffs)``.
+    """
+    if coeffs is None:
+        coeffs = POLAR_EXPRESS_COEFFS[:check_ns_steps(ns_steps, "polar_express")]
+
+    def run(y):
+        return polar_iteration(y, coeffs, method, preconditioning=preconditioning)
+
     k = x.shape[0]
     if jax.default_backend() != "cpu" or not 1 < k <= CPU_PER_MATRIX_MAX:
-        return polar_express(x, ns_steps, method)
-    return jnp.stack([polar_express(x[i], ns_steps, method) for i in range(k)])
+        return run(x)
+    return jnp.stack([run(x[i]) for i in range(k)])
 
 
 def orthogonalize(
@@ -227,6 +406,9 @@ def orthogonalize(
     *,
     compute_dtype: jnp.dtype | str | None = None,
     method: str = "direct",
+    ns_coeffs: Any = "polar_express",
+    preconditioning: str = "basin",
+    eps: float = 1e-8,
 ) -> jax.Array:
     """Approximate polar factor of each matrix in ``x`` (..., R, C).
 
@@ -234,11 +416,16 @@ def orthogonalize(
     runs ``ns_steps`` Polar Express iterations in ``compute_dtype`` (default: float32 on
     CPU, bfloat16 on GPU/TPU). Returns the result in ``compute_dtype``. A zero matrix
     stays zero. ``method`` as in :func:`polar_express`.
+
+    ``ns_coeffs`` (a preset of :data:`NS_COEFF_PRESETS`, a triple or an ``(n, 3)``
+    table; see :func:`ns_coefficients`) and ``preconditioning`` (one of
+    :data:`PRECONDITIONINGS`; ``eps`` for ``frobenius``/``spectral``) choose another
+    iteration.
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs (..., R, C) matrices, got shape {x.shape}.")
+    coeffs = ns_coefficients(ns_coeffs, ns_steps, "orthogonalize")
+    check_preconditioning(preconditioning, "orthogonalize")
     dtype = jnp.dtype(compute_dtype) if compute_dtype is not None else default_compute_dtype()
-    x = x.astype(dtype)
-    # The basin scaling in float32, rounded once (not a bf16 scale applied in bf16).
-    x = (x.astype(jnp.float32) / (1.01 * fro_norm(x) + 1e-6)).astype(dtype)
-    return polar_express(x, ns_steps, method)
+    x = precondition(x.astype(dtype), preconditioning, eps)
+    return polar_iteration(x, coeffs, method, preconditioning=preconditioning)

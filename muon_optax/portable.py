@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax.engine import MuonAdamWState, MuonBuffers, state_partition_specs, state_shapes
 from muon_optax.layout import MatrixLeaf
-from muon_optax.plan import TreePlan
+from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import to_partition_spec, typed_spec
 
 
@@ -79,11 +79,15 @@ def _like_muon(plan: TreePlan, specs: Any) -> Any:
     return plan.treedef.unflatten(flat)
 
 
-def _second_shape(m: MatrixLeaf, reduces_rows: bool) -> tuple[int, ...]:
-    """Leaf-shaped NorMuon statistics: the averaged side's axes have length 1."""
+def _second_shape(m: MatrixLeaf, sp: StackPlan) -> tuple[int, ...]:
+    """Leaf-shaped NorMuon statistics: the averaged side's axes have length 1 (both
+    sides, one unused number per matrix, for a group without NorMuon)."""
     rows = m.in_axes if m.transposed else m.out_axes        # the stored rows' leaf axes
     cols = m.out_axes if m.transposed else m.in_axes
-    averaged = rows if reduces_rows else cols
+    if not sp.stack.config.normuon:
+        averaged = rows + cols
+    else:
+        averaged = rows if sp.stack.reduces_rows else cols
     return tuple(1 if a in averaged else n for a, n in enumerate(m.shape))
 
 
@@ -91,11 +95,11 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
     """Each Muon leaf's momentum (or second moment), leaf-shaped, from the flat buffers."""
     out = {}
     for k, sp in enumerate(plan.owner.stacks):
-        st, dt = sp.stack, sp.stack.dtype
+        st, key = sp.stack, sp.state_key
         momentum = kind == "momentum"
-        channel = (plan.owner.momentum if momentum else plan.owner.second)[dt]
+        channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
         size = st.rows * st.cols if momentum else sp.second_size
-        flat = bufs[dt][0 if momentum else 1].reshape(-1)
+        flat = bufs[key][0 if momentum else 1].reshape(-1)
         slot_of, start = sp.slot_of(), 0
         for m in st.members:
             pieces = []
@@ -107,10 +111,8 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
             if momentum:
                 out[m.index] = m.from_stored(stored.reshape(m.batch, st.rows, st.cols))
             else:
-                shape = _second_shape(m, st.reduces_rows)
-                stored = stored.reshape((m.batch, 1, st.cols) if st.reduces_rows
-                                        else (m.batch, st.rows, 1))
-                out[m.index] = m.from_stored(stored, shape)
+                stored = stored.reshape((m.batch,) + sp.second_shape)
+                out[m.index] = m.from_stored(stored, _second_shape(m, sp))
     return out
 
 
@@ -154,7 +156,7 @@ def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any
     for a in plan.adamw:
         crop = tuple(slice(0, n) for n in a.shape)
         mu[a.index], nu[a.index] = state_mu[a.index][crop], state_nu[a.index][crop]
-    bufs = dict(zip(plan.state_dtypes, state.muon))
+    bufs = dict(zip(plan.state_keys, state.muon))
     momentum = _muon_leaves(plan, bufs, "momentum")
     second = _muon_leaves(plan, bufs, "second")
     unflat = plan.treedef.unflatten
@@ -171,11 +173,12 @@ def _check(plan: TreePlan, state: Any, params: Any, where: str) -> None:
                                            [x.dtype for x in leaves], per_device=False), where)
 
 
-def _flat_buffer(plan: TreePlan, dt: Any, leaves: dict[int, jax.Array],
+def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
                  kind: str) -> jax.Array:
-    """The device-major ``(N, L)`` buffer of one dtype from leaf-shaped arrays."""
+    """The device-major ``(N, L)`` buffer of one state key from leaf-shaped arrays."""
     momentum = kind == "momentum"
-    channel = (plan.owner.momentum if momentum else plan.owner.second)[dt]
+    channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
+    dt = key[1] if momentum else key[0]
     n = plan.num_devices
     rows: list[list[jax.Array]] = [[] for _ in range(n)]
     for k in channel.stacks:
@@ -231,15 +234,16 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any) -> MuonAdamWS
     given_mu = plan.treedef.flatten_up_to(portable["mu"])
     given_nu = plan.treedef.flatten_up_to(portable["nu"])
     want_mu = plan.treedef.flatten_up_to(want.mu)
+    want_nu = plan.treedef.flatten_up_to(want.nu)
     for a in plan.adamw:
         pad = want_mu[a.index].shape
         mu[a.index] = _pad(jnp.asarray(given_mu[a.index], want_mu[a.index].dtype), pad)
-        nu[a.index] = _pad(jnp.asarray(given_nu[a.index], want_mu[a.index].dtype), pad)
+        nu[a.index] = _pad(jnp.asarray(given_nu[a.index], want_nu[a.index].dtype), pad)
     momentum = dict(enumerate(plan.treedef.flatten_up_to(portable["momentum"])))
     second = dict(enumerate(plan.treedef.flatten_up_to(portable["second_moment"])))
-    muon = tuple(MuonBuffers(_flat_buffer(plan, dt, momentum, "momentum"),
-                             _flat_buffer(plan, dt, second, "second"))
-                 for dt in plan.state_dtypes)
+    muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum"),
+                             _flat_buffer(plan, key, second, "second"))
+                 for key in plan.state_keys)
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
                           plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon)
 
@@ -262,7 +266,7 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
     second_of = {}
     for sp in plan.owner.stacks:
         for m in sp.stack.members:
-            second_of[m.index] = _second_shape(m, sp.stack.reduces_rows)
+            second_of[m.index] = _second_shape(m, sp)
     for name in ("mu", "nu", "momentum", "second_moment"):
         try:
             given = plan.treedef.flatten_up_to(portable[name])

@@ -37,6 +37,21 @@ def owner_axes(axis_name: Any) -> tuple[str, ...] | None:
     return names
 
 
+def check_owner_args(axis_name: Any, mesh: Any, where: str) -> None:
+    """``axis_name`` and ``mesh`` as a constructor takes them, or a clear error."""
+    axes = owner_axes(axis_name)
+    if mesh is None:
+        return
+    if axes is None:
+        raise ValueError(f"{where}: mesh= needs axis_name= naming the mesh axes that own the "
+                         f"Muon matrices, one of {tuple(getattr(mesh, 'shape', {}))} or a tuple "
+                         "of them.")
+    missing = [a for a in axes if a not in getattr(mesh, "shape", {})]
+    if missing:
+        raise ValueError(f"{where}: mesh= has axes {tuple(getattr(mesh, 'shape', {}))}, not "
+                         f"{missing[0]!r} (axis_name={axis_name!r}).")
+
+
 def _gather(x: jax.Array, axes: tuple[str, ...], axis: int) -> jax.Array:
     """All-gather marked invariant (every device holds the same value), so that a train
     step may return it with ``out_specs=P()``."""

@@ -22,6 +22,19 @@ POLAR_EXPRESS_COEFFS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
+QUINTIC = (3.4445, -4.7750, 2.0315)
+
+
+def coefficients(ns_coeffs, ns_steps):
+    """The rule's (a, b, c) per step for muon's ``ns_coeffs`` option (a name or numbers)."""
+    if isinstance(ns_coeffs, str):
+        ns_coeffs = {"polar_express": POLAR_EXPRESS_COEFFS, "quintic": QUINTIC}[ns_coeffs]
+    table = np.asarray(ns_coeffs, dtype=np.float64)
+    if table.ndim == 1:
+        return [tuple(table)] * ns_steps
+    if len(table) < ns_steps:
+        raise ValueError("too few coefficients")
+    return [tuple(row) for row in table[:ns_steps]]
 
 
 def _f64(x) -> np.ndarray:
@@ -72,18 +85,28 @@ def row_equilibrate(X):
     return X * (target / row)
 
 
-def polar_express(X, ns_steps: int):
+def polar_express(X, ns_steps: int, coeffs=None, preconditioning="basin"):
     """Spec §3 steps 4-5: basin scaling, then ``ns_steps`` Polar Express iterations.
 
     Returns an approximation of the orthogonal polar factor ``U V^T`` of ``X``
-    (singular values pushed towards 1).
+    (singular values pushed towards 1). Options (``muon``'s): ``coeffs``, one (a, b, c)
+    per step instead of Polar Express's; ``preconditioning="aol"``: no basin scaling,
+    the first step scales the rows of the short side's ``X`` (a square's input side,
+    the columns here) by ``1 / sqrt(sum_j |A_ij|)``, ``A = X X^T``.
     """
-    if not 0 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
-        raise ValueError(f"ns_steps must be in [0, {len(POLAR_EXPRESS_COEFFS)}]")
+    if coeffs is None:
+        if not 0 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
+            raise ValueError(f"ns_steps must be in [0, {len(POLAR_EXPRESS_COEFFS)}]")
+        coeffs = POLAR_EXPRESS_COEFFS[:ns_steps]
     X = _f64(X)
     R, C = X.shape
-    X = X / (1.01 * np.linalg.norm(X) + 1e-6)
-    for a, b, c in POLAR_EXPRESS_COEFFS[:ns_steps]:
+    if preconditioning == "aol":
+        Y = X.T if R >= C else X
+        d = 1.0 / np.sqrt(np.maximum(np.abs(Y @ Y.T).sum(axis=1, keepdims=True), 1e-8))
+        X = (d * Y).T if R >= C else d * Y
+    else:
+        X = X / (1.01 * np.linalg.norm(X) + 1e-6)
+    for a, b, c in coeffs:
         if R > C:  # tall: work with the (C, C) Gram matrix
             A = X.T @ X
             B = b * A + c * (A @ A)
@@ -108,12 +131,21 @@ def muon_step(
     ns_steps,
     row_equilibration=True,
     renormalize=True,
+    coeffs=None,
+    preconditioning="basin",
+    nesterov=True,
+    normuon=True,
+    cautious=True,
 ):
     """One Muon step (spec §3) for ONE matrix in PyTorch layout.
 
     ``G``, ``P``, ``buf``: ``(R, C)`` with R = output features, C = input features.
     ``s``: ``(R, 1)`` if ``R >= C`` else ``(1, C)``.
     Returns ``(P_new, buf_new, s_new)``, all float64.
+
+    ``muon``'s options beyond the spec: ``coeffs``/``preconditioning`` (see
+    :func:`polar_express`); ``nesterov=False``: ``U = buf``; ``normuon=False``: skip
+    step 7; ``cautious=False``: decay every entry.
     """
     G, P, buf, s = _f64(G), _f64(P), _f64(buf), _f64(s)
     if G.ndim != 2:
@@ -127,7 +159,7 @@ def muon_step(
 
     # 1. Nesterov momentum
     buf = lerp(buf, G, 1.0 - momentum)
-    U = lerp(G, buf, momentum)
+    U = lerp(G, buf, momentum) if nesterov else buf
 
     # 2. (compute dtype: not simulated)
     X = U
@@ -137,32 +169,36 @@ def muon_step(
         X = row_equilibrate(X)
 
     # 4.-5. basin scaling + Polar Express
-    O = polar_express(X, ns_steps)
+    O = polar_express(X, ns_steps, coeffs, preconditioning)
 
     # 6. Muon+ renormalisation
     if renormalize:
         O = O * (np.sqrt(min(R, C)) / max(np.linalg.norm(O), 1e-6))
 
     # 7. NorMuon variance reduction; factored axis: columns if R >= C else rows
-    red = 1 if R >= C else 0
-    n = O.shape[red]
-    v = np.mean(O * O, axis=red, keepdims=True)
-    v_norm = np.sqrt(np.sum(v) * n)
-    s = lerp(s, v, 1.0 - beta2)
-    step = 1.0 / np.sqrt(np.maximum(s, 1e-10))
-    v_norm_new = np.sqrt(np.sum(v * n * step**2))
-    O = O * step * (v_norm / max(v_norm_new, 1e-10))
+    if normuon:
+        red = 1 if R >= C else 0
+        n = O.shape[red]
+        v = np.mean(O * O, axis=red, keepdims=True)
+        v_norm = np.sqrt(np.sum(v) * n)
+        s = lerp(s, v, 1.0 - beta2)
+        step = 1.0 / np.sqrt(np.maximum(s, 1e-10))
+        v_norm_new = np.sqrt(np.sum(v * n * step**2))
+        O = O * step * (v_norm / max(v_norm_new, 1e-10))
 
     # 8. learning rate with the aspect-ratio factor
     lr_eff = lr * np.sqrt(max(1.0, R / C))
 
     # 9. cautious weight decay (mask from the old P) + update
-    mask = (O * P) >= 0
+    mask = (O * P) >= 0 if cautious else True
     P = P - lr_eff * O - lr_eff * weight_decay * P * mask
     return P, buf, s
 
 
 # ------------------------------------------------------------------- whole param trees
+
+
+OPTIONS = ("ns_coeffs", "preconditioning", "nesterov", "normuon", "cautious", "mu_dtype")
 
 
 class ReferenceMuonAdamW:
@@ -207,7 +243,7 @@ class ReferenceMuonAdamW:
             g, hp = _f64(grads[path]), self.groups[self.labels[path]]
             v = {k: self._value(x) for k, x in hp.items()
                  if k not in ("kind", "ns_steps", "row_equilibration", "renormalize",
-                              "compute_dtype", "polar_method", "betas")}
+                              "compute_dtype", "polar_method", "betas") + OPTIONS}
             if hp["kind"] == "adamw":
                 m, vv = self.state.get(path, (np.zeros_like(g), np.zeros_like(g)))
                 b1, b2 = (self._value(b) for b in hp["betas"])
@@ -225,7 +261,11 @@ class ReferenceMuonAdamW:
                     G[i], P[i], *states[i], lr=v["lr"], momentum=v["momentum"],
                     beta2=v["beta2"], weight_decay=v["weight_decay"], ns_steps=hp["ns_steps"],
                     row_equilibration=hp.get("row_equilibration", True),
-                    renormalize=hp.get("renormalize", True))
+                    renormalize=hp.get("renormalize", True),
+                    coeffs=coefficients(hp.get("ns_coeffs", "polar_express"), hp["ns_steps"]),
+                    preconditioning=hp.get("preconditioning", "basin"),
+                    nesterov=hp.get("nesterov", True), normuon=hp.get("normuon", True),
+                    cautious=hp.get("cautious", True))
                 outs.append(P_new)
                 states[i] = (buf, s)
             self.state[path] = states

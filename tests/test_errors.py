@@ -136,6 +136,29 @@ def test_numpy_integer_ns_steps(ns_steps):
 def test_bad_numpy_or_jax_ns_steps(ns_steps):
     with pytest.raises(TypeError, match=r"muon: ns_steps must be a Python int in 1\.\.5"):
         muon_optax.muon(0.02, ns_steps=ns_steps)
+@pytest.mark.parametrize("option,exc,msg", [
+    (dict(ns_coeffs="polarexpress"), ValueError,
+     r"unknown ns_coeffs preset 'polarexpress' \(did you mean 'polar_express'\?\); presets "
+     r"are 'polar_express', 'quintic'"),
+    (dict(ns_coeffs=(1.0, 2.0)), ValueError, r"ns_coeffs must be a triple .*got shape \(2,\)"),
+    (dict(ns_coeffs=((1, 2, 3),) * 3), ValueError,
+     r"ns_coeffs has 3 rows, too few for ns_steps=5 \(one row per iteration\); pass "
+     r"ns_steps <= 3 or a longer table"),
+    (dict(ns_coeffs="quintic", ns_steps=0), ValueError, r"ns_steps=0; Muon needs at least"),
+    (dict(preconditioning="frobenious"), ValueError,
+     r"unknown preconditioning 'frobenious' \(did you mean 'frobenius'\?\); use one of "
+     r"'basin', 'frobenius', 'spectral', 'aol', 'schatten'"),
+    (dict(nesterov="yes"), TypeError, r"nesterov must be True or False, got 'yes'"),
+    (dict(normuon=1), TypeError, r"normuon must be True or False"),
+    (dict(cautious=None), TypeError, r"cautious must be True or False"),
+    (dict(mu_dtype=jnp.int32), TypeError, r"mu_dtype must be a float dtype, got int32"),
+    (dict(mu_dtype="half-float"), TypeError, r"mu_dtype 'half-float' is not a dtype"),
+])
+def test_bad_muon_option(option, exc, msg):
+    with pytest.raises(exc, match=rf"group 'm': {msg}"):
+        build({"m": muon_group(**option), "a": adamw_group()})
+    with pytest.raises(exc, match=rf"muon: {msg}"):
+        muon_optax.muon(0.02, **option)
 
 
 @pytest.mark.parametrize("value", ["abc", [0.1], jnp.array([0.1, 0.2])])

@@ -7,13 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from muon_optax import orthogonalize
 from muon_optax.polar import (
     POLAR_EXPRESS_COEFFS,
+    QUINTIC_COEFFS,
     after,
     choose_method,
-    orthogonalize,
+    ns_coefficients,
     polar_express,
+    polar_express_stack,
     polar_flops,
+    polar_iteration,
+    preconditioned_step,
 )
 
 
@@ -67,8 +72,6 @@ def test_auto_uses_gram_only_where_it_saves_flops_in_float32():
 
 
 def test_stack_form_matches_batched_form():
-    from muon_optax.polar import polar_express_stack
-
     x = jnp.asarray(np.stack([conditioned(32, 96, 2, seed=s) for s in range(4)]), jnp.float32)
     for method in ("direct", "gram"):
         np.testing.assert_allclose(polar_express_stack(x, 5, method),
@@ -120,3 +123,71 @@ def test_orthogonalize_scales_in_float32_then_rounds_once():
     got = orthogonalize(x, compute_dtype=jnp.bfloat16)
     x64 = np.asarray(x, np.float64)
     assert rel_err(got, exact(x64 / (1.01 * np.linalg.norm(x64)))) < 0.03
+# ----------------------------------------------------- coefficients and preconditionings
+
+
+@pytest.mark.parametrize("preconditioning", ["frobenius", "spectral", "aol", "schatten"])
+@pytest.mark.parametrize("coeffs", ["quintic", "dion"])
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (32, 32)])
+def test_preconditionings_match_optax(shape, coeffs, preconditioning):
+    from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+    from muon_optax.polar import DION_COEFFS, QUINTIC_COEFFS
+
+    table = {"quintic": QUINTIC_COEFFS[0], "dion": DION_COEFFS}[coeffs]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(shape), jnp.float32)
+    want = orthogonalize_via_newton_schulz(x, jnp.asarray(table), 5, preconditioning)
+    got = orthogonalize(x, 5, compute_dtype=jnp.float32, ns_coeffs=table,
+                        preconditioning=preconditioning)
+    assert rel_err(got, np.asarray(want, np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("preconditioning", ["aol", "schatten", "frobenius", "spectral"])
+def test_preconditionings_keep_zero_zero(preconditioning):
+    o = orthogonalize(jnp.zeros((2, 8, 24)), 3, compute_dtype=jnp.float32,
+                      ns_coeffs="quintic", preconditioning=preconditioning)
+    np.testing.assert_array_equal(o, 0.0)
+
+
+def test_aol_first_step_bounds_the_spectral_norm():
+    # The AOL scaling alone (identity polynomial): ||D X||_2 <= 1, and tighter than the
+    # Frobenius scaling for a matrix with a flat spectrum.
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((32, 128)), jnp.float32)
+    scaled = preconditioned_step(x, (1.0, 0.0, 0.0), "aol")
+    top = np.linalg.norm(np.asarray(scaled, np.float64), 2)
+    assert 0.5 < top <= 1.0 + 1e-6
+    assert top > np.linalg.norm(np.asarray(x), 2) / np.linalg.norm(np.asarray(x))
+
+
+def test_ns_coefficients_presets_triples_and_tables():
+    assert ns_coefficients("polar_express", 3) == POLAR_EXPRESS_COEFFS[:3]
+    assert ns_coefficients("quintic", 7) == QUINTIC_COEFFS * 7
+    assert ns_coefficients((1, 2, 3), 2) == ((1.0, 2.0, 3.0),) * 2
+    assert ns_coefficients(np.ones((4, 3)), 3) == ((1.0, 1.0, 1.0),) * 3
+    with pytest.raises(ValueError, match=r"unknown ns_coeffs preset 'polar_expres' "
+                                         r"\(did you mean 'polar_express'\?\)"):
+        ns_coefficients("polar_expres", 5)
+    with pytest.raises(ValueError, match=r"triple \(a, b, c\) \(shape \(3,\)\) or an \(n, 3\)"
+                                         r" table, one row per iteration; got shape \(2,\)"):
+        ns_coefficients((1, 2), 5)
+    with pytest.raises(ValueError, match=r"has 2 rows, too few for ns_steps=5"):
+        ns_coefficients(np.ones((2, 3)), 5)
+    with pytest.raises(ValueError, match="non-finite"):
+        ns_coefficients((1, np.nan, 2), 5)
+    with pytest.raises(ValueError, match=r"ns_steps=6 is outside 1\.\.5"):
+        ns_coefficients("polar_express", 6)
+
+
+def test_unknown_preconditioning_is_named():
+    with pytest.raises(ValueError, match=r"unknown preconditioning 'aoll' \(did you mean "
+                                         r"'aol'\?\)"):
+        orthogonalize(jnp.ones((4, 8)), preconditioning="aoll")
+
+
+def test_stack_with_coefficients_matches_batched_iteration():
+    x = jnp.asarray(np.stack([conditioned(32, 96, 2, seed=s) for s in range(4)]), jnp.float32)
+    coeffs = QUINTIC_COEFFS * 5
+    for pre in ("basin", "aol"):
+        np.testing.assert_allclose(
+            polar_express_stack(x, 5, "direct", coeffs=coeffs, preconditioning=pre),
+            polar_iteration(x, coeffs, "direct", preconditioning=pre), rtol=0, atol=2e-6)

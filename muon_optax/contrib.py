@@ -1,0 +1,236 @@
+"""``contrib_muon``: optax.contrib.muon's rule on muon_optax's engine.
+
+Same arguments, same defaults, same updates (float32: within 1e-5 of optax's parameter
+change), with the engine's stacking of same-shape matrices, ZeRO-2 sharding
+(``axis_name``, ``mesh``) and :func:`muon_optax.state_specs`. The rule, as optax 0.2.8
+computes it (each step is a piece in :mod:`muon_optax.polar` and :mod:`muon_optax.muon`):
+
+    Muon leaves (2-D by default, or as ``muon_weight_dimension_numbers`` says):
+      m = beta m + (1 - beta) g
+      U = beta m / (1 - beta^(t+1)) + (1 - beta) g / (1 - beta^t)   (nesterov)
+      U = m / (1 - beta^t)                                           (nesterov=False)
+      O = NewtonSchulz(precondition(U))           per matrix, one (a, b, c) per step
+      O = <U, O> O                                (adaptive; summed over the leaf)
+      update = -lr (s O + wd P [mask])            s = sqrt(max(1, out/in)), or
+                                                  sqrt(max(in, out)) * consistent_rms
+    other leaves: optax.adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2,
+      eps, adam_eps_root, adam_weight_decay, mu_dtype, nesterov)
+
+It maps onto one :class:`~muon_optax.hparams.MuonConfig` (bias-corrected momentum, no
+MuonEq, Muon+ or NorMuon, plain decay unscaled by ``s``), a second one without decay
+for the Muon leaves that ``weight_decay_mask`` leaves out (the two share stacks), and
+one :class:`~muon_optax.hparams.AdamWConfig` with optax's Adam options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+from muon_optax.engine import build
+from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar
+from muon_optax.labels import path_str
+from muon_optax.polar import (
+    DION_COEFFS,
+    POLAR_EXPRESS_COEFFS,
+    QUINTIC_COEFFS,
+    Coeffs,
+    check_preconditioning,
+    coefficient_rows,
+)
+from muon_optax.sharding import check_owner_args
+
+# optax's names ("standard", "dion"), and muon_optax's for the same or more.
+CONTRIB_PRESETS: dict[str, Coeffs] = {
+    "standard": QUINTIC_COEFFS,
+    "dion": DION_COEFFS,
+    "quintic": QUINTIC_COEFFS,
+    "polar_express": POLAR_EXPRESS_COEFFS,
+}
+CONTRIB_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+
+MUON, MUON_NO_DECAY, ADAM = "muon", "muon_no_decay", "adam"
+_FLAX_LAYOUT = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+
+
+def contrib_coefficients(ns_coeffs: Any, ns_steps: Any, where: str = "contrib_muon") -> Coeffs:
+    """The ``(a, b, c)`` of every iteration, as optax.contrib.muon reads its arguments.
+
+    A triple (or ``"standard"``) runs ``ns_steps`` times. A table (``"dion"``, or an
+    ``(n, 3)`` array) runs its ``n`` rows, one per step, whatever ``ns_steps`` is, which
+    must be at least ``n`` (optax's rule; it keeps the last ``ns_steps`` rows).
+    """
+    try:
+        steps = operator.index(ns_steps)
+    except TypeError as e:
+        raise TypeError(f"{where}: ns_steps must be an int, got {ns_steps!r}.") from e
+    if isinstance(ns_steps, bool) or steps < 1:
+        raise ValueError(f"{where}: ns_steps={ns_steps!r}; Muon needs at least one "
+                         "Newton-Schulz iteration (optax would return the preconditioned "
+                         "momentum unorthogonalized).")
+    rows, is_table = coefficient_rows(ns_coeffs, where, CONTRIB_PRESETS)
+    if not is_table:
+        return rows * steps
+    if len(rows) > steps:
+        raise ValueError(
+            f"{where}: ns_coeffs is a table of {len(rows)} rows, one per iteration, but "
+            f"ns_steps={steps}: too few steps for its coefficients (optax.contrib.muon "
+            f"refuses this too, saying 'Not enough coeffs'). Pass ns_steps >= {len(rows)}, "
+            f"or keep the last {steps} rows (ns_coeffs[-{steps}:]).")
+    return rows
+
+
+class _Box:
+    """Holds one leaf's dimension numbers (or None) where a pytree must not look inside."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class _Split:
+    """Per leaf: Muon or Adam, its dimension numbers, and whether it is decayed."""
+
+    def __init__(self, dimension_numbers: Any, mask: Any):
+        self.spec, self.mask = dimension_numbers, mask
+
+    def dims(self, params: Any) -> list[Any]:
+        """Per leaf (flattening order) its ``MuonDimensionNumbers``, or None for Adam."""
+        leaves, treedef = jax.tree.flatten(params)
+        if self.spec is None:  # optax's default: exactly the 2-D leaves
+            return [_FLAX_LAYOUT if np.ndim(x) == 2 else None for x in leaves]
+        tree = self.spec(params) if callable(self.spec) else self.spec
+        is_leaf = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
+        try:
+            boxed = jax.tree.map(lambda d, sub: jax.tree.map(lambda _: _Box(d), sub),
+                                 tree, params, is_leaf=is_leaf)
+            dims = [b.value for b in treedef.flatten_up_to(boxed)]
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "contrib_muon: muon_weight_dimension_numbers must be a tree with the params' "
+                "structure, or a prefix of it, holding MuonDimensionNumbers (Muon) or None "
+                "(Adam), or a callable params -> such a tree. Params: "
+                f"{treedef}; got {jax.tree.structure(tree, is_leaf=is_leaf)}.") from e
+        # optax orthogonalizes a 2-D leaf as laid out, its dimension numbers used for the
+        # shape scaling only. Only AOL on a square can tell (it scales the rows), and a
+        # square's scaling is 1 either way: run 2-D squares as (rows, cols) = axes (0, 1).
+        return [_FLAX_LAYOUT if d is not None and np.ndim(x) == 2
+                and x.shape[0] == x.shape[1] else d for x, d in zip(leaves, dims)]
+
+    def decayed(self, params: Any, dims: list[Any]) -> list[bool]:
+        """Per leaf: True where the Muon weight decay applies (``weight_decay_mask``).
+
+        As optax: the mask (or the callable's result on the params with Adam leaves
+        replaced by ``optax.MaskedNode()``) is a tree of bools with the params'
+        structure or a prefix of it.
+        """
+        leaves, treedef = jax.tree.flatten(params)
+        if self.mask is None:
+            return [True] * len(leaves)
+        masked = optax.MaskedNode()
+        view = treedef.unflatten([x if d is not None else masked
+                                  for x, d in zip(leaves, dims)])
+        mask = self.mask(view) if callable(self.mask) else self.mask
+        index = treedef.unflatten([i if d is not None else masked
+                                   for i, d in enumerate(dims)])
+        try:
+            kept = jax.tree.map(lambda flag, sub: sub if flag else masked, mask, index)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "contrib_muon: weight_decay_mask must be a tree of Python bools with the "
+                "params' structure (or a prefix of it), or a callable params -> such a "
+                f"tree. Params: {treedef}; got {jax.tree.structure(mask)}.") from e
+        chosen = set(jax.tree.leaves(kept))
+        return [i in chosen for i in range(len(leaves))]
+
+    def labels(self, params: Any) -> Any:
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        for path, x in paths_leaves:
+            if jnp.iscomplexobj(x):
+                raise TypeError(f"contrib_muon: parameter {path_str(path)!r} is complex "
+                                f"({x.dtype}); muon_optax supports real parameters only.")
+        dims = self.dims(params)
+        decayed = self.decayed(params, dims)
+        return treedef.unflatten([ADAM if d is None else MUON if w else MUON_NO_DECAY
+                                  for d, w in zip(dims, decayed)])
+
+    def dimension_numbers(self, params: Any) -> Any:
+        return jax.tree.structure(params).unflatten(self.dims(params))
+
+
+def contrib_muon(
+    learning_rate: Scalar,
+    ns_coeffs: Any = QUINTIC_COEFFS[0],
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: Scalar = 0.0,
+    weight_decay_mask: Any = None,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    adam_b1: Scalar = 0.9,
+    adam_b2: Scalar = 0.999,
+    adam_eps_root: Scalar = 0.0,
+    adam_weight_decay: Scalar = 0.0,
+    adam_learning_rate: Scalar | None = None,
+    muon_weight_dimension_numbers: Any = None,
+    consistent_rms: float | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+) -> optax.GradientTransformation:
+    """``optax.contrib.muon`` on muon_optax's engine: a drop-in with the same updates.
+
+    Arguments as ``optax.contrib.muon`` (optax 0.2.8), with its names and defaults; see
+    its documentation and the module docstring for the rule. Differences:
+
+    - ``ns_coeffs``: also the presets ``"quintic"`` (= ``"standard"``) and
+      ``"polar_express"``; a table longer than ``ns_steps`` is refused with a message
+      that says so, and ``ns_steps < 1`` too;
+    - complex parameters are refused (optax supports them);
+    - the Newton-Schulz iteration runs in float32 whatever the parameter dtype (optax:
+      in the momentum's dtype).
+
+    And the engine's additions:
+
+    Args:
+      axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw`:
+        ZeRO-2 inside your ``jax.shard_map`` (``axis_name``), or plain ``jax.jit``
+        with params laid out over ``mesh`` in any way (FSDP, tensor parallel, ...).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`muon_optax.MuonAdamWState`; ``update`` needs ``params``.
+    """
+    where = "contrib_muon"
+    coeffs = contrib_coefficients(ns_coeffs, ns_steps, where)
+    check_preconditioning(preconditioning, where, CONTRIB_PRECONDITIONINGS)
+    muon_cfg = MuonConfig.make(
+        learning_rate, beta, len(coeffs), 0.0, weight_decay, row_equilibration=False,
+        renormalize=False, compute_dtype=jnp.float32, polar_method="direct",
+        ns_coeffs=coeffs, preconditioning=preconditioning, nesterov=nesterov,
+        normuon=False, cautious=False, mu_dtype=mu_dtype, eps=eps, bias_correction=True,
+        adaptive=adaptive, consistent_rms=consistent_rms, scale_decay=False,
+        optax_ema=True, where=where)
+    adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
+    configs: dict[str, AdamWConfig | MuonConfig] = {
+        MUON: muon_cfg,
+        ADAM: AdamWConfig.make(adam_lr, (adam_b1, adam_b2), eps, adam_weight_decay,
+                               where=f"{where} (its Adam)", eps_root=adam_eps_root,
+                               nesterov=nesterov, mu_dtype=mu_dtype,
+                               optax_ema=True)}
+    if weight_decay_mask is not None:
+        configs[MUON_NO_DECAY] = dataclasses.replace(muon_cfg, weight_decay=0.0)
+    check_owner_args(axis_name, mesh, where)
+    split = _Split(muon_weight_dimension_numbers, weight_decay_mask)
+    return build(configs, split.labels, dimension_numbers=split.dimension_numbers,
+                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where)

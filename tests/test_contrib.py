@@ -1,0 +1,160 @@
+"""contrib_muon against optax.contrib.muon itself: the same updates, and clearer errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonDimensionNumbers as MDN
+
+import muon_optax
+from muon_optax.contrib import contrib_coefficients
+from muon_optax.polar import DION_COEFFS, POLAR_EXPRESS_COEFFS, QUINTIC_COEFFS
+
+SHAPES = {"blocks": {"fc": (16, 48), "proj": (48, 16), "attn": {"q": (32, 32), "k": (32, 32)},
+                     "scale": (16,)},
+          "embed": (40, 16), "bias": (16,), "gain": (), "stack": (3, 16, 24)}
+TOL = 1e-5
+
+
+def random_tree(seed):
+    leaves, treedef = jax.tree.flatten(SHAPES, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return treedef.unflatten([0.5 * jax.random.normal(k, s) for k, s in zip(keys, leaves)])
+
+
+def param_changes(tx, steps=10):
+    params = p0 = random_tree(0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for step in range(steps):
+        updates, state = update(random_tree(100 + step), state, params)
+        params = optax.apply_updates(params, updates)
+    return jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                        params, p0)
+
+
+def assert_same_updates(**kw):
+    want = param_changes(optax.contrib.muon(**kw))
+    got = param_changes(muon_optax.contrib_muon(**kw))
+    paths = jax.tree_util.tree_flatten_with_path(want)[0]
+    for (path, w), g in zip(paths, jax.tree.leaves(got)):
+        rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert rel <= TOL, f"{jax.tree_util.keystr(path)}: relative error {rel:.2e}"
+
+
+def no_decay_on_squares(params):
+    return jax.tree.map(lambda x: not (x.ndim == 2 and x.shape[0] == x.shape[1]), params)
+
+
+CASES = {
+    "defaults": dict(learning_rate=0.02),
+    "polar_express_table_decay_mask_schedule": dict(
+        learning_rate=optax.linear_schedule(0.02, 0.005, 10), ns_coeffs=POLAR_EXPRESS_COEFFS,
+        weight_decay=0.1, weight_decay_mask=no_decay_on_squares),
+    "no_nesterov_aol_bf16_momentum": dict(
+        learning_rate=0.02, nesterov=False, preconditioning="aol", mu_dtype=jnp.bfloat16),
+    "schatten_adaptive_consistent_rms": dict(
+        learning_rate=0.02, preconditioning="schatten", adaptive=True, consistent_rms=0.2),
+    "spectral_dion_preset": dict(learning_rate=0.02, preconditioning="spectral",
+                                 ns_coeffs="dion"),
+    "short_table_runs_its_rows": dict(learning_rate=0.02, ns_coeffs=DION_COEFFS[:3]),
+    "adam_options_decay_schedule": dict(
+        learning_rate=0.02, adam_b1=0.8, adam_b2=0.95, adam_eps_root=1e-6,
+        adam_weight_decay=0.1, adam_learning_rate=optax.cosine_decay_schedule(0.003, 10),
+        weight_decay=optax.linear_schedule(0.1, 0.0, 10), ns_steps=4),
+    # Prefix trees; a 3-D leaf of 3 matrices; squares in both layouts (AOL tells them apart).
+    "dimension_numbers_batch_axes_aol_adaptive": dict(
+        learning_rate=0.02, preconditioning="aol", adaptive=True, eps=1e-7,
+        muon_weight_dimension_numbers={
+            "blocks": {"fc": MDN(), "proj": MDN(1, 0), "attn": {"q": MDN(1, 0), "k": MDN()},
+                       "scale": None},
+            "embed": None, "bias": None, "gain": None, "stack": MDN(1, 2)},
+        weight_decay=0.05, weight_decay_mask={"blocks": True, "embed": False, "bias": False,
+                                              "gain": False, "stack": False}),
+    "callable_dimension_numbers": dict(
+        learning_rate=0.02, preconditioning="aol", weight_decay=0.1,
+        muon_weight_dimension_numbers=lambda p: {
+            "blocks": {"fc": MDN(), "proj": MDN(), "attn": MDN(), "scale": None},
+            "embed": None, "bias": None, "gain": None, "stack": MDN(2, 1)}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_updates_as_optax(name):
+    assert_same_updates(**CASES[name])
+
+
+def test_masked_and_decayed_matrices_share_a_stack():
+    tx = muon_optax.contrib_muon(0.02, weight_decay=0.1, weight_decay_mask=no_decay_on_squares)
+    info = tx.init.stack_info(random_tree(0))
+    squares = [s for s in info if s["shape"] == (32, 32)]
+    assert squares and squares[0]["size"] == 2
+    wide = [s for s in info if s["shape"] == (16, 48)][0]
+    assert sorted(wide["members"]) == ["blocks/fc", "blocks/proj"]
+    assert sorted(squares[0]["members"]) == ["blocks/attn/k", "blocks/attn/q"]
+    assert sum(s["size"] for s in info) == 5          # 2-D leaves only, by default
+
+
+def test_coefficients_as_optax_reads_them():
+    assert contrib_coefficients("standard", 3) == QUINTIC_COEFFS * 3
+    assert contrib_coefficients("dion", 5) == DION_COEFFS
+    assert contrib_coefficients("dion", 8) == DION_COEFFS           # a table runs its rows
+    assert contrib_coefficients(np.ones((2, 3)), 5) == ((1.0,) * 3,) * 2
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(ns_coeffs="muon"), ValueError,
+     r"contrib_muon: unknown ns_coeffs preset 'muon'; presets are 'standard', 'dion', "
+     r"'quintic', 'polar_express'"),
+    (dict(ns_coeffs="dio"), ValueError, r"\(did you mean 'dion'\?\)"),
+    (dict(ns_coeffs=(1.0, 2.0)), ValueError,
+     r"contrib_muon: ns_coeffs must be a triple \(a, b, c\) \(shape \(3,\)\) or an \(n, 3\) "
+     r"table, one row per iteration; got shape \(2,\)"),
+    (dict(ns_coeffs=np.ones((2, 2, 3))), ValueError, r"got shape \(2, 2, 3\)"),
+    (dict(ns_coeffs=(1.0, "a", 2.0)), ValueError, r"ns_coeffs must be a preset name"),
+    (dict(ns_coeffs="dion", ns_steps=3), ValueError,
+     r"contrib_muon: ns_coeffs is a table of 5 rows, one per iteration, but ns_steps=3: too "
+     r"few steps for its coefficients .* Pass ns_steps >= 5, or keep the last 3 rows"),
+    (dict(ns_steps=0), ValueError, r"contrib_muon: ns_steps=0; Muon needs at least one"),
+    (dict(ns_steps=2.0), TypeError, r"contrib_muon: ns_steps must be an int, got 2\.0"),
+    (dict(preconditioning="basin"), ValueError,
+     r"contrib_muon: unknown preconditioning 'basin'; use one of 'frobenius', 'spectral', "
+     r"'aol', 'schatten'"),
+    (dict(preconditioning="Schatten"), ValueError, r"\(did you mean 'schatten'\?\)"),
+    (dict(mu_dtype="int8"), TypeError, r"contrib_muon: mu_dtype must be a float dtype"),
+    (dict(consistent_rms="0.2x"), TypeError, r"consistent_rms must be a number"),
+])
+def test_bad_arguments_fail_at_construction(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        muon_optax.contrib_muon(0.02, **kw)
+
+
+def test_bad_trees_name_the_argument():
+    params = random_tree(0)
+    tx = muon_optax.contrib_muon(0.02, muon_weight_dimension_numbers={"embed": MDN()})
+    with pytest.raises(ValueError, match=r"muon_weight_dimension_numbers must be a tree with "
+                                         r"the params' structure, or a prefix of it"):
+        tx.init(params)
+    tx = muon_optax.contrib_muon(0.02, weight_decay=0.1, weight_decay_mask={"x": True})
+    with pytest.raises(ValueError, match=r"weight_decay_mask must be a tree of Python bools"):
+        tx.init(params)
+
+
+def test_a_vector_given_to_muon_is_named():
+    tx = muon_optax.contrib_muon(0.02, muon_weight_dimension_numbers=MDN())
+    with pytest.raises(ValueError, match=r"'bias' has shape \(16,\) .*Muon"):
+        tx.init(random_tree(0))
+
+
+def test_complex_parameters_are_refused():
+    params = {"w": jnp.ones((4, 8), jnp.complex64)}
+    with pytest.raises(TypeError, match=r"'w' is complex \(complex64\)"):
+        muon_optax.contrib_muon(0.02).init(params)
+
+
+def test_update_needs_params():
+    tx = muon_optax.contrib_muon(0.02)
+    params = random_tree(0)
+    with pytest.raises(ValueError, match="update needs the params"):
+        tx.update(params, tx.init(params))
