@@ -120,6 +120,41 @@ def test_two_devices_match_one_and_compare_adamw(baseline, corpus, tmp_path, cap
     assert adamw[-1]["val_loss"] < adamw[0]["val_loss"]
 
 
+def test_gradients_inside_shard_map_are_each_devices_own():
+    """Inside shard_map, jax.grad at the replicated params would return the gradient
+    summed over the devices (an all-reduce in the backward pass, then N times the mean
+    once the optimizer averages again). The example's step hands the optimizer each
+    device's own gradient, and the loss it logs is the global batch's mean."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    n = 4
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0) / 4}
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 3))
+    y = jax.random.normal(jax.random.PRNGKey(1), (8, 4))
+
+    def loss_of(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+
+    def per_device(p, x, y):
+        loss, grads = train.local_value_and_grad(loss_of, p, x, y, "data")
+        return loss, jax.tree.map(lambda g: g[None], grads)  # device d's gradient: row d
+
+    loss, grads = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                        out_specs=(P(), P("data"))))(params, x, y)
+    want_loss, want = jax.value_and_grad(loss_of)(params, x, y)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    rows = len(x) // n
+    for k in params:
+        np.testing.assert_allclose(grads[k].mean(0), want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        for d in range(n):
+            own = jax.grad(loss_of)(params, x[d * rows:(d + 1) * rows], y[d * rows:(d + 1) * rows])
+            np.testing.assert_allclose(grads[k][d], own[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
 def test_missing_data_path_is_a_clear_error(tmp_path, capsys):
     assert train.main(["--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -375,13 +375,35 @@ def _make_tx(ctx: Context, name: str, params):
 # ----------------------------------------------------------------------------- steps
 
 
+def local_value_and_grad(loss_of, params, x, y, axis_name: str | None = None):
+    """``(loss, grads)`` of this device's rows ``x, y``; the loss averaged over the devices.
+
+    Inside ``jax.shard_map`` the params come in replicated (``P()``), invariant along
+    ``axis_name``, and ``jax.grad`` at an invariant input returns the gradient already
+    *summed* over the devices: the transpose of handing one value to every device is a
+    ``psum``, an all-reduce of every gradient in the backward pass. ``pcast(...,
+    to="varying")`` makes each device's copy its own first, so each device gets the
+    gradient of its own rows and the reduction is left to the optimizer (ZeRO-2: one
+    reduce-scatter, mean). Every device has as many rows, so the mean of the devices'
+    losses is the mean over the global batch.
+    """
+    import jax
+
+    if axis_name is None:
+        return jax.value_and_grad(loss_of)(params, x, y)
+    local = jax.lax.pcast(params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(loss_of)(local, x, y)
+    return jax.lax.pmean(loss, axis_name), grads
+
+
 def _build_steps(ctx: Context, tx, sharded_tx: bool, params):
     """Compiled ``init``, ``train_step`` and ``eval_step``, and the state's PartitionSpecs.
 
     One device: plain ``jax.jit``. A mesh: ``jax.shard_map`` over ``"data"``; the params
     are replicated (``P()``), the batch split by rows (``P("data")``). The sharded
-    MuonAdamW takes each device's own, unreduced gradients (it reduce-scatters them
-    itself); a plain optax transformation gets them ``pmean``'ed and a replicated state.
+    MuonAdamW takes each device's own, unreduced gradients (``local_value_and_grad``; it
+    reduce-scatters them itself); a plain optax transformation gets them ``pmean``'ed and a
+    replicated state.
     """
     import jax
     import optax
@@ -396,12 +418,12 @@ def _build_steps(ctx: Context, tx, sharded_tx: bool, params):
     def loss_of(p, x, y):
         return loss_fn(nnx.merge(graphdef, p, rest), x, y)
 
+    axis = None if mesh is None else "data"
+
     def train_step(p, state, x, y):
-        loss, grads = jax.value_and_grad(loss_of)(p, x, y)
-        if mesh is not None:
-            if not sharded_tx:
-                grads = jax.lax.pmean(grads, "data")
-            loss = jax.lax.pmean(loss, "data")
+        loss, grads = local_value_and_grad(loss_of, p, x, y, axis)
+        if axis is not None and not sharded_tx:
+            grads = jax.lax.pmean(grads, axis)  # a replicated optimizer: DDP's all-reduce
         updates, state = tx.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
