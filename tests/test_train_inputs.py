@@ -103,7 +103,8 @@ def test_out_that_is_a_file_is_refused(capsys, tmp_path, corpus):
 
 def test_a_model_too_big_for_the_device_is_refused_before_it_is_built(
         capsys, tmp_path, corpus, monkeypatch):
-    monkeypatch.setattr(memory, "device_memory", lambda device, n: (100_000, "a test device has"))
+    monkeypatch.setattr(memory, "device_memory",
+                        lambda device, n: (100_000, "a test device has 100.0 kB"))
     out = refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path],
                   "does not fit", "81,922 params", "a test device has 100.0 kB", "--depth")
     assert "model: depth 1" in out and "memory per device (estimate)" in out
@@ -156,3 +157,20 @@ def test_the_log_is_strict_json(tmp_path):
     records = [json.loads(line, parse_constant=refuse) for line in lines]
     assert records[1] == {"step": 2, "loss": None, "val_loss": None,
                           "nonfinite": {"loss": "nan", "val_loss": "inf"}}
+
+
+def test_device_memory_of_accelerators_and_of_simulated_cpu_devices():
+    class Accelerator:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+        def memory_stats(self):
+            return {"bytes_limit": 150_000_000_000, "bytes_in_use": 0}
+
+    assert memory.device_memory(Accelerator(), 8) == (150_000_000_000,
+                                                     "a NVIDIA H200 has 150.0 GB")
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    whole, _ = memory.device_memory(cpu, 1)
+    share, phrase = memory.device_memory(cpu, 4)
+    assert share == whole // 4 and "for 4 simulated devices" in phrase

@@ -94,23 +94,28 @@ def fmt(n: float) -> str:
 
 
 def device_memory(device, local_devices: int) -> tuple[int | None, str]:
-    """``(bytes, what)`` one device may use: the accelerator's limit, or on CPU the host's
-    memory shared by the simulated devices of this process; ``(None, ...)`` if unknown."""
+    """``(bytes, phrase)``: what one device may use, and a phrase that says so: the
+    accelerator's limit, or on CPU the host's memory shared by this process's (simulated)
+    devices; ``(None, "")`` where unknown."""
     stats = None
     try:
         stats = device.memory_stats()
     except Exception:  # some backends do not implement it
         pass
     if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"a {device.device_kind} has"
+        limit = int(stats["bytes_limit"])
+        return limit, f"a {device.device_kind} has {fmt(limit)}"
     if device.platform == "cpu":
         try:
             host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
-            return None, "unknown"
-        share = f" / {local_devices} devices" if local_devices > 1 else ""
-        return host // local_devices, f"this host has {fmt(host)}{share} ="
-    return None, "unknown"
+            return None, ""
+        if local_devices == 1:
+            return host, f"this host has {fmt(host)}"
+        share = host // local_devices
+        return share, (f"this host has {fmt(host)} for {local_devices} simulated devices, "
+                       f"{fmt(share)} each")
+    return None, ""
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -469,7 +469,7 @@ def _check_fits(ctx: Context) -> None:
         raise UsageError(
             f"the model does not fit: {_count_params(ctx.abstract_params):,} params need about "
             f"{memory.fmt(ctx.estimate.total)} per device for params, grads and optimizer state "
-            f"alone, but {what} {memory.fmt(limit)}; lower --depth")
+            f"alone, but {what}; lower --depth")
 
 
 def _out_of_memory_message(ctx: Context) -> str:
