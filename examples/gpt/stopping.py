@@ -23,6 +23,13 @@ A second signal while stopping (e.g. Ctrl-C during the checkpoint write) raises
 ``Aborted``: no checkpoint of this step; the temporary folder of an unfinished write is
 removed when the next run opens the checkpoints (orbax's ``cleanup_tmp_directories``).
 
+Limits of jax's protocol, as used here: it places the stop one past the furthest step
+any process has reported. A run reports its start step before it compiles
+(``register``), but a SIGTERM that arrives earlier still (while a resumed run sets up),
+or between the two runs of ``--compare adamw``, is placed at a step the running loop
+never reaches; that run goes on as if no signal had come. A SIGINT is never lost: the
+process that got it reports it when the run ends (``agreed_status``).
+
 jax is imported lazily: ``train.py`` imports this module before jax may be imported.
 """
 
