@@ -56,6 +56,10 @@ def run(out, corpus, *extra):
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, corpus):
     out = tmp_path_factory.mktemp("baseline")
+    # Leftovers of an earlier run with --compare adamw: a fresh start removes them.
+    (out / "adamw" / "ckpt" / "7").mkdir(parents=True)
+    (out / "adamw" / "log.jsonl").write_text("{}\n")
+    (out / "ckpt" / "9").mkdir(parents=True)
     assert run(out, corpus) == 0
     return out, read_log(out)
 
@@ -74,7 +78,16 @@ def test_tiny_run_trains_and_writes_its_files(baseline):
     assert all(np.isfinite(losses))
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "ckpt" / str(STEPS)).is_dir()                      # the final checkpoint
-    assert json.loads((out / "config.json").read_text())["steps"] == STEPS
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [str(STEPS)]
+    assert not (out / "adamw").exists()                              # the earlier run's
+    config = json.loads((out / "config.json").read_text())
+    assert config["steps"] == STEPS and config["status"] == "finished"
+    # The values used, not the command line's defaults (None, "1").
+    assert config["warmup_steps"] == 1 and config["lr_scale"] == 1.0
+    assert config["learning_rates"]["muon/matrix"] == 0.02
+    assert config["learning_rates"]["muon/embed"] == pytest.approx(0.3 * (64 / 768) ** -0.5)
+    assert config["steps_done"] == {"muon": STEPS} and config["params"] == 81_922
+    assert log[1]["lr"] == pytest.approx(0.02 * log[1]["lr_mult"])   # the Muon group's lr
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
@@ -89,8 +102,11 @@ def test_ctrl_c_saves_and_resume_repeats_the_run(baseline, corpus, tmp_path, mon
         return original(self, step)
 
     monkeypatch.setattr(train.ByteDataset, "batch", batch)
-    assert run(tmp_path, corpus) == train.EXIT_INTERRUPTED
-    assert "interrupted: checkpoint of step 5 saved" in capsys.readouterr().err
+    # --resume with nothing to resume: said in one line, then a fresh start.
+    assert run(tmp_path, corpus, "--resume") == train.EXIT_INTERRUPTED
+    out, err = capsys.readouterr()
+    assert "--resume: no checkpoint in" in out and "starting from step 0" in out
+    assert "interrupted (SIGINT): checkpoint of step 5 saved" in err
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["5"]
     assert read_log(tmp_path)[-1]["step"] == 5
     monkeypatch.undo()
@@ -118,6 +134,63 @@ def test_two_devices_match_one_and_compare_adamw(baseline, corpus, tmp_path, cap
     adamw = read_log(tmp_path / "adamw")
     assert adamw[0]["val_loss"] == pytest.approx(one[0]["val_loss"])   # the same init
     assert adamw[-1]["val_loss"] < adamw[0]["val_loss"]
+
+
+def test_gradients_inside_shard_map_are_each_devices_own():
+    """Inside shard_map, jax.grad at the replicated params would return the gradient
+    summed over the devices (an all-reduce in the backward pass, then N times the mean
+    once the optimizer averages again). The example's step hands the optimizer each
+    device's own gradient, and the loss it logs is the global batch's mean."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    n = 4
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0) / 4}
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 3))
+    y = jax.random.normal(jax.random.PRNGKey(1), (8, 4))
+
+    def loss_of(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+
+    def per_device(p, x, y):
+        loss, grads = train.local_value_and_grad(loss_of, p, x, y, "data")
+        return loss, jax.tree.map(lambda g: g[None], grads)  # device d's gradient: row d
+
+    loss, grads = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                        out_specs=(P(), P("data"))))(params, x, y)
+    want_loss, want = jax.value_and_grad(loss_of)(params, x, y)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    rows = len(x) // n
+    for k in params:
+        np.testing.assert_allclose(grads[k].mean(0), want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        for d in range(n):
+            own = jax.grad(loss_of)(params, x[d * rows:(d + 1) * rows], y[d * rows:(d + 1) * rows])
+            np.testing.assert_allclose(grads[k][d], own[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_sharded_train_step_does_not_all_reduce_the_gradients(corpus, tmp_path):
+    """The compiled train step of --devices 2: the gradients are reduce-scattered once
+    (ZeRO-2); the only all-reduces are of the small params (< 1024 elements) and the loss."""
+    import re
+
+    args = train.build_parser().parse_args(
+        [*TINY, "--data", str(corpus), "--out", str(tmp_path), "--devices", "2"])
+    ctx = train._setup(args, train._load_data(args), [])
+    tx, sharded = train._make_tx(ctx, "muon", ctx.abstract_params)
+    steps = train._build_steps(ctx, tx, sharded)
+    params = ctx.init_params()
+    x, y = ctx.dataset.batch(0)
+    hlo = steps.train.lower(params, steps.init(params), ctx.place.batch(x),
+                            ctx.place.batch(y)).compile().as_text()
+    reduced = [shape for line in hlo.splitlines()
+               for result in re.findall(r"= (.*?) all-reduce(?:-start)?\(", line)
+               for shape in re.findall(r"\[([\d,]*)\]", result)]
+    sizes = [int(np.prod([int(d) for d in s.split(",") if d])) for s in reduced]
+    assert sizes and max(sizes) < 1024, sizes
+    assert re.search(r" reduce-scatter(?:-start)?\(", hlo)
 
 
 def test_missing_data_path_is_a_clear_error(tmp_path, capsys):

@@ -16,6 +16,7 @@ Validation uses a fixed list of contiguous windows from the held-out tail.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sysconfig
@@ -46,11 +47,13 @@ def _looks_like_text(data: bytes) -> bool:
     return True
 
 
-def _join(paths: list[Path], max_bytes: int | None, *, check_text: bool) -> tuple[bytes, int]:
-    chunks, total = [], 0
+def _join(paths: list[Path], max_bytes: int | None, *, check_text: bool) -> tuple[bytes, int, int]:
+    """``(corpus, files read, files skipped as not text)``; stops once ``max_bytes`` are read."""
+    chunks, total, skipped = [], 0, 0
     for p in paths:
         data = p.read_bytes()
         if check_text and not _looks_like_text(data):
+            skipped += 1
             continue
         chunks.append(data)
         total += len(data) + len(DOC_SEPARATOR)
@@ -59,7 +62,7 @@ def _join(paths: list[Path], max_bytes: int | None, *, check_text: bool) -> tupl
     corpus = DOC_SEPARATOR.join(chunks)
     if max_bytes is not None:
         corpus = corpus[:max_bytes]
-    return corpus, len(chunks)
+    return corpus, len(chunks), skipped
 
 
 def stdlib_corpus(max_bytes: int | None = DEFAULT_MAX_BYTES) -> bytes:
@@ -70,38 +73,75 @@ def stdlib_corpus(max_bytes: int | None = DEFAULT_MAX_BYTES) -> bytes:
         for p in root.rglob("*.py")
         if not _STDLIB_SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
     )
-    corpus, _ = _join(paths, max_bytes, check_text=True)
+    corpus, _, _ = _join(paths, max_bytes, check_text=True)
     if not corpus:
         raise FileNotFoundError(f"found no Python sources under the standard library at {root}")
     return corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """The bytes of a corpus and where they came from."""
+
+    data: bytes
+    source: str          # the file or directory read, or the standard library's root
+    files_read: int = 1
+    files_skipped: int = 0  # not text (NUL bytes or invalid UTF-8), in a directory
+
+    def describe(self) -> str:
+        """One line: what was read, and how many files were skipped."""
+        line = f"{len(self.data):,} bytes from {self.source}"
+        if self.files_read > 1 or self.files_skipped:
+            line += f" ({self.files_read:,} text files"
+            if self.files_skipped:
+                line += f"; {self.files_skipped:,} skipped: binary or not UTF-8"
+            line += ")"
+        return line
+
+
+def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = None) -> Corpus:
+    """Like :func:`load_corpus`, with the source and the count of files read and skipped.
+
+    A single file must be text (no NUL bytes, valid UTF-8), the rule that a directory's
+    files are filtered by; a directory skips its other files and counts them.
+    """
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    if path is None:
+        root = sysconfig.get_paths()["stdlib"]
+        data = stdlib_corpus(DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+        return Corpus(data, f"the Python standard library at {root}")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data path {str(p)!r} does not exist")
+    if p.is_file():
+        data = p.read_bytes()
+        if not data:
+            raise ValueError(f"data file {str(p)!r} is empty")
+        if not _looks_like_text(data):
+            raise ValueError(f"data file {str(p)!r} is not text (it holds NUL bytes or is not "
+                             f"UTF-8); give a text file or a directory of them")
+        return Corpus(data[:max_bytes], str(p))
+    files = sorted(
+        f
+        for f in p.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+    )
+    data, n_read, n_skipped = _join(files, max_bytes, check_text=True)
+    if n_read == 0:
+        raise ValueError(f"data directory {str(p)!r} holds no text files ({len(files)} files, "
+                         f"{n_skipped} of them binary or not UTF-8)")
+    return Corpus(data, str(p), n_read, n_skipped)
 
 
 def load_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = None) -> bytes:
     """Bytes of ``path`` (a text file, or all text files below a directory, sorted).
 
     ``path=None`` gives the standard-library corpus (capped at ``DEFAULT_MAX_BYTES`` unless
-    ``max_bytes`` says otherwise). Binary files under a directory (NUL bytes or invalid
-    UTF-8) and hidden files/directories are skipped.
+    ``max_bytes`` says otherwise). A file that is not text (NUL bytes or invalid UTF-8) is
+    refused; under a directory such files, and hidden files/directories, are skipped.
     """
-    if path is None:
-        return stdlib_corpus(DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"data path {str(p)!r} does not exist")
-    if p.is_file():
-        corpus, _ = _join([p], max_bytes, check_text=False)
-        if not corpus:
-            raise ValueError(f"data file {str(p)!r} is empty")
-        return corpus
-    files = sorted(
-        f
-        for f in p.rglob("*")
-        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
-    )
-    corpus, n_docs = _join(files, max_bytes, check_text=True)
-    if n_docs == 0:
-        raise ValueError(f"data directory {str(p)!r} holds no text files ({len(files)} files)")
-    return corpus
+    return read_corpus(path, max_bytes).data
 
 
 def bits_per_byte(loss: float) -> float:
@@ -116,6 +156,8 @@ class ByteDataset:
     train split, seeded by ``(seed, step)``: the same step always gives the same batch, so
     a resumed run continues the data stream exactly by passing the next step.
     """
+
+    source = "bytes given to the constructor"  # from_path: what was read (Corpus.describe)
 
     def __init__(
         self,
@@ -163,7 +205,10 @@ class ByteDataset:
         max_bytes: int | None = None,
         **kwargs,
     ) -> ByteDataset:
-        return cls(load_corpus(path, max_bytes), batch_size=batch_size, seq_len=seq_len, **kwargs)
+        corpus = read_corpus(path, max_bytes)
+        dataset = cls(corpus.data, batch_size=batch_size, seq_len=seq_len, **kwargs)
+        dataset.source = corpus.describe()
+        return dataset
 
     def __repr__(self) -> str:
         return (

@@ -1,6 +1,6 @@
 """Train a nanochat-style GPT (Flax NNX) with muon_optax's MuonAdamW, on one device or a mesh.
 
-    python examples/gpt/train.py                       # the default run: ~3 min on 2 CPU cores
+    python examples/gpt/train.py                       # the default run: ~4 min on 2 CPU cores
     python examples/gpt/train.py --compare adamw       # + the same model with optax.adamw
     python examples/gpt/train.py --devices 4           # data-parallel, ZeRO-2 optimizer
     python examples/gpt/train.py --resume              # continue from the last checkpoint
@@ -8,18 +8,20 @@
 
 Everything lands under ``--out`` (default ``runs/gpt``):
 
-    config.json        the run's settings
-    log.jsonl          one record per step: step, loss, lr_mult, tokens_per_s, and
-                       val_loss / val_bpb at every evaluation (step 0 holds only the
-                       validation numbers of the untrained model)
+    config.json        the settings as resolved (warmup steps, lr scale, learning rates),
+                       written at the start and updated at the end with the run's status
+    log.jsonl          one strict-JSON record per step: step, loss, lr, lr_mult,
+                       tokens_per_s, and val_loss / val_bpb at every evaluation (step 0
+                       holds only the validation numbers of the untrained model)
     loss.png           the loss curves (train and validation; both optimizers with --compare)
     ckpt/<step>/       orbax checkpoints: params, optimizer state, step (= data position)
     adamw/             with --compare adamw: the AdamW run's log.jsonl and ckpt/
 
 The data is a pure function of the step (``ByteDataset.batch(step)``), so a checkpoint
 needs only the step to continue the data stream, and ``--resume`` reproduces the loss
-sequence of an uninterrupted run. Ctrl-C saves a checkpoint at the current step and exits
-(status 130); a second Ctrl-C aborts at once.
+sequence of an uninterrupted run. SIGINT (Ctrl-C) or SIGTERM on any process stops every
+process after the same step with a checkpoint (status 130, or 143 for SIGTERM); a second
+signal aborts at once (see ``stopping.py``).
 
 ``--devices N`` (N > 1) trains data-parallel on an N-device mesh: the train step runs
 inside ``jax.shard_map``, each device computes the gradients of its ``batch_size / N``
@@ -30,7 +32,8 @@ imported). ``--distributed`` runs the same step over every device of every proce
 (``jax.distributed.initialize()``; one process per host).
 
 ``main(argv)`` runs in-process too (the tests do); jax is imported only after the
-arguments are parsed, so that the simulated device count can still be set.
+arguments are checked, so that the simulated device count can still be set and bad
+input fails in a second.
 """
 
 from __future__ import annotations
@@ -38,14 +41,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import io
-import json
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
+import sysconfig
 import time
 from pathlib import Path
 
@@ -55,9 +55,11 @@ if str(HERE) not in sys.path:  # model.py, data.py, optim_setup.py sit beside th
 if importlib.util.find_spec("muon_optax") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(HERE.parents[1]))
 
-from data import VOCAB_SIZE, ByteDataset, bits_per_byte  # noqa: E402  (numpy only, no jax)
+# numpy and the standard library only: no jax before the arguments are checked
+from data import DEFAULT_MAX_BYTES, VOCAB_SIZE, ByteDataset  # noqa: E402
+from stopping import EXIT_SIGINT, EXIT_SIGTERM, SIGNAL_NAMES, Aborted, StopSignals  # noqa: E402
 
-# The default run: ~3 minutes on 2 idle CPU cores (see the notes in the README section).
+# The default run: ~4 minutes on 2 idle CPU cores (see the notes in the README section).
 DEFAULT_DEPTH = 3
 DEFAULT_BATCH = 8
 DEFAULT_SEQ_LEN = 256
@@ -69,9 +71,12 @@ DEFAULT_EVAL_BATCHES = 16
 # warmup and warmdown as MuonAdamW).
 DEFAULT_ADAMW_LR = 5e-3
 
+EXIT_DIVERGED = 1
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = EXIT_SIGINT
+EXIT_TERMINATED = EXIT_SIGTERM
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_aborted = False  # set by main() after a second signal; see the __main__ block
 
 
 class UsageError(Exception):
@@ -96,7 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a nanochat-style byte-level GPT with muon_optax's MuonAdamW.",
         formatter_class=_HelpFormatter,
     )
-    run = p.add_argument_group("run")
+    _run_flags(p.add_argument_group("run"))
+    _model_flags(p.add_argument_group("model and batch"))
+    _optimizer_flags(p.add_argument_group("optimizer (nanochat's defaults)"))
+    _eval_flags(p.add_argument_group("evaluation and checkpoints"))
+    _device_flags(p.add_argument_group("devices"))
+    return p
+
+
+def _run_flags(run) -> None:
     run.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
     run.add_argument("--out", default="runs/gpt", help="output directory")
     run.add_argument("--data", default=None,
@@ -107,18 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="init and data seed")
     run.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
-    model = p.add_argument_group("model and batch")
+
+def _model_flags(model) -> None:
     model.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
                        help="layers; width = 64 * depth (nanochat's sizing)")
     model.add_argument("--head-dim", type=int, default=64,
-                       help="channels per attention head (nanochat uses 128 on GPUs)")
+                       help="channels per attention head, even (nanochat uses 128 on GPUs)")
     model.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                        help="global batch size in sequences (split over the devices)")
     model.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per sequence")
     model.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                        help="matmul compute dtype (params stay float32)")
 
-    opt = p.add_argument_group("optimizer (nanochat's defaults)")
+
+def _optimizer_flags(opt) -> None:
     opt.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr")
     opt.add_argument("--embedding-lr", type=float, default=0.3, help="AdamW lr of wte")
     opt.add_argument("--unembedding-lr", type=float, default=0.008, help="AdamW lr of lm_head")
@@ -128,17 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="multiplies every MuonAdamW lr: a number, or 'nanochat' for nanochat's "
                           "batch rule sqrt(tokens_per_step / 2**19)")
     opt.add_argument("--warmup-steps", type=int, default=None,
-                     help="lr warmup steps (default: min(40, steps // 10))")
+                     help="lr warmup steps, at most --steps (default: min(40, steps // 10))")
     opt.add_argument("--warmdown-frac", type=float, default=0.65,
-                     help="final fraction of the run with a linear lr decay")
+                     help="final fraction of the run with a linear lr decay, in [0, 1]")
     opt.add_argument("--final-lr-frac", type=float, default=0.05,
-                     help="lr multiplier at the end of the warmdown")
+                     help="lr multiplier at the end of the warmdown, in [0, 1]")
     opt.add_argument("--compare", choices=("adamw",), default=None,
                      help="also train the same model (same init, same data) with optax.adamw")
     opt.add_argument("--adamw-lr", type=float, default=DEFAULT_ADAMW_LR,
                      help="peak lr of the --compare adamw run")
 
-    ev = p.add_argument_group("evaluation and checkpoints")
+
+def _eval_flags(ev) -> None:
     ev.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
                     help="validate every K steps (and at the start and the end; 0: only then)")
     ev.add_argument("--eval-batches", type=int, default=DEFAULT_EVAL_BATCHES,
@@ -147,9 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint every K steps (and at the end; 0: only at the end)")
     ev.add_argument("--keep-ckpts", type=int, default=2, help="checkpoints kept")
     ev.add_argument("--resume", action="store_true",
-                    help="continue from the latest checkpoint under --out (if there is one)")
+                    help="continue from the latest checkpoint under --out (with none there, "
+                         "say so and start afresh)")
 
-    dev = p.add_argument_group("devices")
+
+def _device_flags(dev) -> None:
     dev.add_argument("--devices", type=int, default=1,
                      help="data-parallel devices (on CPU simulated; with --distributed: "
                           "simulated CPU devices per process, else ignored)")
@@ -162,28 +180,54 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --distributed: process count (default: auto-detect)")
     dev.add_argument("--process-id", type=int, default=None,
                      help="with --distributed: this process's index (default: auto-detect)")
-    return p
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "depth", "head_dim", "batch_size", "seq_len", "devices", "eval_batches",
-                 "keep_ckpts"):
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_AT_LEAST_ONE = ("steps", "depth", "head_dim", "batch_size", "seq_len", "devices",
+                 "eval_batches", "keep_ckpts")
+_AT_LEAST_ZERO = ("eval_every", "ckpt_every")
+_LEARNING_RATES = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "adamw_lr")
+_FRACTIONS = ("warmdown_frac", "final_lr_frac")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range (see the flags' help)."""
+    for name in _AT_LEAST_ONE:
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("eval_every", "ckpt_every"):
+            raise UsageError(f"{_flag(name)} must be >= 1, got {getattr(args, name)}")
+    for name in _AT_LEAST_ZERO:
         if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise UsageError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+            raise UsageError(f"{_flag(name)} must be >= 0, got {getattr(args, name)}")
+    if args.head_dim % 2:
+        raise UsageError(f"--head-dim must be even (rotary embeddings turn channel pairs), "
+                         f"got {args.head_dim}")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise UsageError(f"--max-bytes must be >= 1, got {args.max_bytes}")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
+        raise UsageError(f"--warmup-steps must be in [0, --steps = {args.steps}], got "
+                         f"{args.warmup_steps}: the warmup would outlast the run")
+    for name in _LEARNING_RATES:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"{_flag(name)} must be a positive number, got {value}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    for name in _FRACTIONS:
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise UsageError(f"{_flag(name)} must be in [0, 1], got {getattr(args, name)}")
     if args.lr_scale != "nanochat":
         try:
-            if not float(args.lr_scale) > 0:
+            if not (math.isfinite(float(args.lr_scale)) and float(args.lr_scale) > 0):
                 raise ValueError
         except ValueError:
             raise UsageError(f"--lr-scale must be a positive number or 'nanochat', "
                              f"got {args.lr_scale!r}") from None
-    if not 0.0 <= args.warmdown_frac <= 1.0:
-        raise UsageError(f"--warmdown-frac must be in [0, 1], got {args.warmdown_frac}")
+
+
+def _check_devices(args: argparse.Namespace) -> None:
     if not args.distributed and args.batch_size % args.devices:
         raise UsageError(
             f"--batch-size {args.batch_size} is not divisible by --devices {args.devices}: "
@@ -191,6 +235,36 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.distributed and (args.coordinator or args.num_processes is not None
                                  or args.process_id is not None):
         raise UsageError("--coordinator / --num-processes / --process-id need --distributed")
+    if args.num_processes is not None and args.num_processes < 1:
+        raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if args.process_id is not None and not (
+            0 <= args.process_id < (args.num_processes or args.process_id + 1)):
+        raise UsageError(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """``--out`` must be a directory, or a path where one can be made."""
+    out = Path(args.out)
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise UsageError(f"--out {args.out}: {path} is a file, not a directory")
+            return
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    _check_numbers(args)
+    _check_devices(args)
+    _check_out(args)
+
+
+def _load_data(args: argparse.Namespace) -> ByteDataset:
+    """The corpus, read and split before jax is even imported (bad paths fail at once)."""
+    try:
+        return ByteDataset.from_path(args.data, batch_size=args.batch_size, seq_len=args.seq_len,
+                                     max_bytes=args.max_bytes, seed=args.seed)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
 
 
 def _simulate_cpu_devices(n: int) -> None:
@@ -204,23 +278,26 @@ def _simulate_cpu_devices(n: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status (0, 2 for usage errors, 130 on Ctrl-C)."""
+    """Command-line entry point; returns the exit status: 0; 1 if training diverged; 2 for
+    usage errors (and a model too big for the devices); 130 after SIGINT, 143 after SIGTERM."""
+    global _aborted
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
-        try:
-            # numpy only: bad paths and small corpora fail before jax is even imported
-            dataset = ByteDataset.from_path(args.data, batch_size=args.batch_size,
-                                            seq_len=args.seq_len, max_bytes=args.max_bytes,
-                                            seed=args.seed)
-        except (OSError, ValueError) as e:
-            raise UsageError(str(e)) from None
+        dataset = _load_data(args)
         if args.devices > 1 and "jax" not in sys.modules:
             _simulate_cpu_devices(args.devices)
-        return _train_all(args, dataset)
+        return _train_all(args, dataset, argv)
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Aborted:
+        _aborted = True
+        print("\ntrain.py: aborted by a second signal: no checkpoint of this step (the next "
+              "start removes an unfinished one); --resume continues from the last complete "
+              "checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("\ninterrupted (no checkpoint written)", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -234,99 +311,313 @@ class Context:
     """What both optimizers' runs share: devices, model structure, data, settings."""
 
     args: argparse.Namespace
+    argv: list[str]
     dataset: ByteDataset
     cfg: object              # model.GPTConfig
     graphdef: object         # nnx.GraphDef of the model
     rest: object             # non-Param model state (none in this GPT), passed in read-only
+    abstract_params: object  # the params as jax.ShapeDtypeStructs: nothing allocated
+    init_params: object      # jitted () -> params, placed replicated on the devices
+    devices: list
     mesh: object | None      # jax.sharding.Mesh over the "data" axis, None on one device
-    num_devices: int
+    place: object            # Placement
     is_main: bool            # process 0: writes logs, plots, prints
     warmup_steps: int
+    lr_scale: float
     dtype: object
+    estimate: object = None  # memory.Estimate
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def runs(self) -> list[tuple[str, Path]]:
+        out = Path(self.args.out)
+        return [("muon", out)] + ([("adamw", out / "adamw")] if self.args.compare else [])
 
 
-def _train_all(args: argparse.Namespace, dataset: ByteDataset) -> int:
+def _init_distributed(args: argparse.Namespace) -> None:
     import jax
-    import jax.numpy as jnp
 
-    if args.distributed:
-        jax.distributed.initialize(coordinator_address=args.coordinator,
-                                   num_processes=args.num_processes, process_id=args.process_id)
-    from flax import nnx
-    from jax.sharding import AxisType
-    from model import GPT, GPTConfig
+    # The agreed stop relies on jax's preemption service (on by default): keep it on.
+    jax.config.update("jax_enable_preemption_service", True)
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+
+
+def _pick_devices(args: argparse.Namespace) -> list:
+    import jax
 
     if args.distributed:
         devices = jax.devices()
+    elif args.devices > jax.device_count():
+        raise UsageError(
+            f"--devices {args.devices}, but jax sees {jax.device_count()} "
+            f"{jax.default_backend()} device(s). On CPU run train.py as a script (it sets "
+            f"{_DEVICE_FLAG} before importing jax) or set XLA_FLAGS yourself.")
     else:
-        if args.devices > jax.device_count():
-            raise UsageError(
-                f"--devices {args.devices}, but jax sees {jax.device_count()} "
-                f"{jax.default_backend()} device(s). On CPU run train.py as a script (it sets "
-                f"{_DEVICE_FLAG} before importing jax) or set XLA_FLAGS yourself.")
         devices = jax.devices()[: args.devices]
-    n = len(devices)
-    if args.batch_size % n:
-        raise UsageError(f"--batch-size {args.batch_size} is not divisible by the {n} devices")
-    mesh = None
-    if args.distributed or n > 1:
-        mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
+    if args.batch_size % len(devices):
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by the "
+                         f"{len(devices)} devices")
+    return devices
 
-    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+
+def _abstract_model(args: argparse.Namespace, dtype):
+    """``(cfg, graphdef, abstract params, rest)``: the model's structure, nothing allocated."""
+    from flax import nnx
+    from model import GPT, GPTConfig
+
     try:
         cfg = GPTConfig.from_depth(args.depth, vocab_size=VOCAB_SIZE, seq_len=args.seq_len,
                                    head_dim=args.head_dim)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    graphdef, params, rest = nnx.split(GPT(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype),
-                                       nnx.Param, ...)
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return cfg, graphdef, params, rest
+
+
+def _param_initializer(cfg, seed: int, dtype, sharding):
+    """A jitted ``() -> params``: the seed's init, one compiled program, placed replicated."""
+    import jax
+    from flax import nnx
+    from model import GPT
+
+    def init():
+        return nnx.split(GPT(cfg, rngs=nnx.Rngs(seed), dtype=dtype), nnx.Param, ...)[1]
+
+    return jax.jit(init, out_shardings=sharding)
+
+
+def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> Context:
+    """Devices, mesh and the model's shapes; prints the plan and checks that it fits."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+    from optim_setup import nanochat_batch_lr_scale
+
+    if args.distributed:
+        _init_distributed(args)
+    devices = _pick_devices(args)
+    mesh = None
+    if args.distributed or len(devices) > 1:
+        mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,),
+                             devices=devices)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    cfg, graphdef, abstract_params, rest = _abstract_model(args, dtype)
+    place = Placement(mesh)
     warmup = args.warmup_steps
     if warmup is None:
         warmup = min(40, max(1, args.steps // 10))
-    ctx = Context(args, dataset, cfg, graphdef, rest, mesh, n, jax.process_index() == 0,
-                  warmup, dtype)
-
-    out = Path(args.out)
+    lr_scale = (nanochat_batch_lr_scale(args.batch_size * args.seq_len)
+                if args.lr_scale == "nanochat" else float(args.lr_scale))
+    ctx = Context(args, argv, dataset, cfg, graphdef, rest, abstract_params,
+                  _param_initializer(cfg, args.seed, dtype, place.replicated), devices, mesh,
+                  place, jax.process_index() == 0, warmup, lr_scale, dtype)
+    ctx.estimate = _estimate_memory(ctx)
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        where = (f"{n} {devices[0].platform} device(s), "
-                 + (f"{jax.process_count()} process(es), " if args.distributed else "")
-                 + ("data-parallel mesh, sharded MuonAdamW (ZeRO-2)" if mesh is not None
-                    else "single device"))
-        print(f"model: depth {cfg.n_layer}, width {cfg.n_embd}, {cfg.n_head} heads, "
-              f"{_count_params(params):,} params, {args.dtype} compute")
-        print(f"data:  {dataset!r}")
-        print(f"run:   {args.steps} steps of {args.batch_size} x {args.seq_len} tokens on {where}")
-
-    runs = [("muon", out)]
-    if args.compare == "adamw":
-        runs.append(("adamw", out / "adamw"))
-    results = {}
-    t_start = time.perf_counter()
-    for name, run_dir in runs:
-        result = _train_one(ctx, name, run_dir)
-        results[name] = result
-        if result["interrupted"]:
-            break
-    elapsed = time.perf_counter() - t_start
-
-    if ctx.is_main:
-        (out / "config.json").write_text(json.dumps(vars(args), indent=2) + "\n")
-        png = out / "loss.png"
-        _plot([(name, _read_log(run_dir / "log.jsonl")) for name, run_dir in runs
-               if (run_dir / "log.jsonl").exists()], png, ctx)
-        _summary(results, runs, png, elapsed, ctx)
-    if any(r["interrupted"] for r in results.values()):
-        return EXIT_INTERRUPTED
-    if any(r["diverged"] for r in results.values()):
-        return 1
-    return 0
+        _print_plan(ctx)
+    _check_fits(ctx)
+    return ctx
 
 
 def _count_params(params) -> int:
     import jax
 
-    return sum(x.size for x in jax.tree.leaves(params))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def _print_plan(ctx: Context) -> None:
+    import jax
+
+    a, cfg, n = ctx.args, ctx.cfg, ctx.num_devices
+    where = (f"{n} {ctx.devices[0].platform} device(s), "
+             + (f"{jax.process_count()} process(es), " if a.distributed else "")
+             + ("data-parallel mesh, sharded MuonAdamW (ZeRO-2)" if ctx.mesh is not None
+                else "single device"))
+    print(f"model: depth {cfg.n_layer}, width {cfg.n_embd}, {cfg.n_head} heads, "
+          f"{_count_params(ctx.abstract_params):,} params, {a.dtype} compute")
+    print(f"data:  {ctx.dataset.source}")
+    print(f"       {ctx.dataset!r}")
+    print(f"run:   {a.steps} steps of {a.batch_size} x {a.seq_len} tokens on {where}")
+    print(f"memory per device (estimate): {ctx.estimate.describe()}")
+
+
+def _estimate_memory(ctx: Context):
+    """Params, grads and each optimizer's state per device, from shapes (memory.py)."""
+    import memory
+
+    state = {}
+    for name, _ in ctx.runs:
+        tx, sharded = _make_tx(ctx, name, ctx.abstract_params)
+        init, specs = _state_layout(ctx, tx, sharded)
+        state[name] = memory.optimizer_state_bytes(init, ctx.abstract_params, specs,
+                                                   ctx.num_devices)
+    return memory.estimate(ctx.abstract_params, state)
+
+
+def _check_fits(ctx: Context) -> None:
+    """Refuses, before anything is allocated, a model whose params, grads and optimizer
+    state alone exceed a device's memory."""
+    import jax
+    import memory
+
+    limit, what = memory.device_memory(ctx.devices[0], jax.local_device_count())
+    if limit is not None and ctx.estimate.total > limit:
+        raise UsageError(
+            f"the model does not fit: {_count_params(ctx.abstract_params):,} params need about "
+            f"{memory.fmt(ctx.estimate.total)} per device for params, grads and optimizer state "
+            f"alone, but {what}; lower --depth")
+
+
+def _out_of_memory_message(ctx: Context) -> str:
+    import memory
+
+    a = ctx.args
+    return (f"out of memory on {ctx.devices[0].platform}: {_count_params(ctx.abstract_params):,} "
+            f"params (about {memory.fmt(ctx.estimate.total)} per device for params, grads and "
+            f"optimizer state) and the activations of {a.batch_size // ctx.num_devices} x "
+            f"{a.seq_len} tokens per device do not fit; lower --batch-size, --seq-len or "
+            f"--depth, or use --dtype bfloat16")
+
+
+def _prepare_out(ctx: Context) -> None:
+    """Creates ``--out``; a fresh start (no ``--resume``) removes an earlier run's
+    checkpoints and its ``adamw/`` run."""
+    a, out = ctx.args, Path(ctx.args.out)
+    if ctx.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out {a.out}: cannot create the directory ({e})") from None
+        stale = [p for p in (out / "ckpt", out / "adamw") if p.exists()] if not a.resume else []
+        if stale:
+            print(f"starting afresh: removing {' and '.join(str(p.resolve()) for p in stale)} "
+                  f"of an earlier run (pass --resume to continue it)")
+        for path in stale:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    _sync(ctx, "train.py: output directory ready")
+
+
+def _sync(ctx: Context, name: str) -> None:
+    """All processes meet here (no-op with one process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _config_record(ctx: Context, status: str, results: dict) -> dict:
+    """``config.json``: the command line's settings with the values actually used."""
+    import jax
+    from optim_setup import make_groups
+
+    a = ctx.args
+    groups = make_groups(ctx.cfg.n_embd, total_steps=a.steps, warmup_steps=ctx.warmup_steps,
+                         lr_scale=ctx.lr_scale, embedding_lr=a.embedding_lr,
+                         unembedding_lr=a.unembedding_lr, matrix_lr=a.matrix_lr,
+                         scalar_lr=a.scalar_lr, weight_decay=a.weight_decay, schedules=False)
+    learning_rates = {f"muon/{name}": g["lr"] for name, g in groups.items()}
+    if a.compare:
+        learning_rates["adamw"] = a.adamw_lr
+    record = dict(vars(a))
+    record.update(
+        data=str(Path(a.data).resolve()) if a.data else sysconfig.get_paths()["stdlib"],
+        max_bytes=a.max_bytes if a.max_bytes or a.data else DEFAULT_MAX_BYTES,
+        corpus_bytes=len(ctx.dataset.train) + len(ctx.dataset.val),
+        warmup_steps=ctx.warmup_steps, lr_scale=ctx.lr_scale, learning_rates=learning_rates,
+        devices=ctx.num_devices, processes=jax.process_count(),
+        params=_count_params(ctx.abstract_params),
+        memory_per_device={"params": ctx.estimate.params, "grads": ctx.estimate.grads,
+                           "optimizer_state": ctx.estimate.state},
+        command=ctx.argv, status=status,
+        steps_done={name: r["end"] for name, r in results.items()})
+    return record
+
+
+def _write_config(ctx: Context, status: str, results: dict) -> None:
+    from report import write_json
+
+    if ctx.is_main:
+        write_json(Path(ctx.args.out) / "config.json", _config_record(ctx, status, results))
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def _train_all(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> int:
+    ctx = _setup(args, dataset, argv)
+    _prepare_out(ctx)
+    _write_config(ctx, "running", {})
+    t_start = time.perf_counter()
+    results, status, received = _run_optimizers(ctx)
+    return _finish(ctx, results, status, received, time.perf_counter() - t_start)
+
+
+def _run_optimizers(ctx: Context) -> tuple[dict, int, list[int]]:
+    """Trains each optimizer in turn; stops early on a signal or a diverged run.
+
+    Returns the runs' results, the exit status the processes agreed on after a signal (0
+    for none) and what each process received.
+    """
+    import memory
+
+    results, status, received = {}, 0, []
+    try:
+        with StopSignals(ctx.args.distributed) as stop:
+            for name, run_dir in ctx.runs:
+                results[name] = _train_one(ctx, name, run_dir, stop)
+                status, received = stop.agreed_status(results[name]["stopped"])
+                if status or results[name]["diverged"]:
+                    break
+    except Exception as e:
+        if memory.is_out_of_memory(e):
+            raise UsageError(_out_of_memory_message(ctx)) from None
+        raise
+    return results, status, received
+
+
+def _stop_message(ctx: Context, name: str, result: dict, status: int, received: list) -> str:
+    by = [i for i, code in enumerate(received) if code == status]
+    who = SIGNAL_NAMES[status]
+    if ctx.args.distributed:
+        who += (f" on process {', '.join(map(str, by))}" if by
+                else ", jax's preemption notice")
+    return (f"\n[{name}] interrupted ({who}): checkpoint of step {result['end']} saved in "
+            f"{result['ckpt_dir']}; continue with the same command and --resume")
+
+
+def _finish(ctx: Context, results: dict, status: int, received: list, elapsed: float) -> int:
+    """config.json, plot, summary; returns the exit status."""
+    from report import plot, read_log, summary_lines
+
+    diverged = any(r["diverged"] for r in results.values())
+    if ctx.is_main:
+        state = ({EXIT_SIGINT: "interrupted (SIGINT)", EXIT_SIGTERM: "stopped (SIGTERM)"}
+                 .get(status) or ("diverged" if diverged else "finished"))
+        _write_config(ctx, state, results)
+        if status:
+            name = list(results)[-1]
+            print(_stop_message(ctx, name, results[name], status, received), file=sys.stderr)
+        png = Path(ctx.args.out) / "loss.png"
+        a = ctx.args
+        title = (f"GPT depth {a.depth}, batch {a.batch_size} x {a.seq_len} bytes, "
+                 f"{ctx.num_devices} device{'s' if ctx.num_devices > 1 else ''}")
+        plot([(name, read_log(d / "log.jsonl")) for name, d in ctx.runs
+              if (d / "log.jsonl").exists()], png, title, a.adamw_lr)
+        print(f"\nfinished in {elapsed:.0f} s")
+        for name, _ in ctx.runs:
+            if name in results:
+                print("\n".join(summary_lines(name, results[name], a.batch_size * a.seq_len)))
+        print(f"  plot: {png}")
+    return status or (EXIT_DIVERGED if diverged else 0)
+
+
+# ----------------------------------------------------------------------------- optimizers
 
 
 def _config_key(ctx: Context, name: str) -> dict:
@@ -350,15 +641,13 @@ def _make_tx(ctx: Context, name: str, params):
     """(transformation, sharded): nanochat's MuonAdamW, or the optax.adamw baseline."""
     import jax
     import optax
-    from optim_setup import lr_multiplier, make_optimizer, nanochat_batch_lr_scale, param_labels
+    from optim_setup import lr_multiplier, make_optimizer, param_labels
 
     a = ctx.args
     if name == "muon":
-        lr_scale = (nanochat_batch_lr_scale(a.batch_size * a.seq_len) if a.lr_scale == "nanochat"
-                    else float(a.lr_scale))
         tx = make_optimizer(
-            params, ctx.cfg, total_steps=a.steps, warmup_steps=ctx.warmup_steps, lr_scale=lr_scale,
-            warmdown_frac=a.warmdown_frac, final_lr_frac=a.final_lr_frac,
+            params, ctx.cfg, total_steps=a.steps, warmup_steps=ctx.warmup_steps,
+            lr_scale=ctx.lr_scale, warmdown_frac=a.warmdown_frac, final_lr_frac=a.final_lr_frac,
             embedding_lr=a.embedding_lr, unembedding_lr=a.unembedding_lr,
             matrix_lr=a.matrix_lr, scalar_lr=a.scalar_lr, weight_decay=a.weight_decay,
             axis_name="data" if ctx.mesh is not None else None)
@@ -372,58 +661,105 @@ def _make_tx(ctx: Context, name: str, params):
     return tx, False
 
 
+def _peak_lr(ctx: Context, name: str) -> float:
+    """The peak learning rate shown beside the loss: the Muon group's, or AdamW's."""
+    return ctx.args.matrix_lr * ctx.lr_scale if name == "muon" else ctx.args.adamw_lr
+
+
 # ----------------------------------------------------------------------------- steps
 
 
-def _build_steps(ctx: Context, tx, sharded_tx: bool, params):
-    """Compiled ``init``, ``train_step`` and ``eval_step``, and the state's PartitionSpecs.
+class Steps:
+    """A run's compiled functions: ``init`` (state), ``train``, ``eval``; ``specs`` are the
+    state's PartitionSpecs over ``"data"`` (None on one device)."""
 
-    One device: plain ``jax.jit``. A mesh: ``jax.shard_map`` over ``"data"``; the params
-    are replicated (``P()``), the batch split by rows (``P("data")``). The sharded
-    MuonAdamW takes each device's own, unreduced gradients (it reduce-scatters them
-    itself); a plain optax transformation gets them ``pmean``'ed and a replicated state.
+    def __init__(self, init, train, eval, specs):
+        self.init, self.train, self.eval, self.specs = init, train, eval, specs
+
+
+def local_value_and_grad(loss_of, params, x, y, axis_name: str | None = None):
+    """``(loss, grads)`` of this device's rows ``x, y``; the loss averaged over the devices.
+
+    Inside ``jax.shard_map`` the params come in replicated (``P()``), invariant along
+    ``axis_name``, and ``jax.grad`` at an invariant input returns the gradient already
+    *summed* over the devices: the transpose of handing one value to every device is a
+    ``psum``, an all-reduce of every gradient in the backward pass. ``pcast(...,
+    to="varying")`` makes each device's copy its own first, so each device gets the
+    gradient of its own rows and the reduction is left to the optimizer (ZeRO-2: one
+    reduce-scatter, mean). Every device has as many rows, so the mean of the devices'
+    losses is the mean over the global batch.
     """
+    import jax
+
+    if axis_name is None:
+        return jax.value_and_grad(loss_of)(params, x, y)
+    local = jax.lax.pcast(params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(loss_of)(local, x, y)
+    return jax.lax.pmean(loss, axis_name), grads
+
+
+def _step_functions(ctx: Context, tx, sharded_tx: bool):
+    """The per-device ``train_step(params, state, x, y)`` and ``eval_step(params, x, y)``."""
     import jax
     import optax
     from flax import nnx
-    from jax.sharding import PartitionSpec as P
     from model import loss_fn
 
-    import muon_optax
-
-    graphdef, rest, mesh = ctx.graphdef, ctx.rest, ctx.mesh
+    graphdef, rest = ctx.graphdef, ctx.rest
+    axis = None if ctx.mesh is None else "data"
 
     def loss_of(p, x, y):
         return loss_fn(nnx.merge(graphdef, p, rest), x, y)
 
     def train_step(p, state, x, y):
-        loss, grads = jax.value_and_grad(loss_of)(p, x, y)
-        if mesh is not None:
-            if not sharded_tx:
-                grads = jax.lax.pmean(grads, "data")
-            loss = jax.lax.pmean(loss, "data")
+        loss, grads = local_value_and_grad(loss_of, p, x, y, axis)
+        if axis is not None and not sharded_tx:
+            grads = jax.lax.pmean(grads, axis)  # a replicated optimizer: DDP's all-reduce
         updates, state = tx.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
     def eval_step(p, x, y):
         loss = loss_of(p, x, y)
-        return jax.lax.pmean(loss, "data") if mesh is not None else loss
+        return loss if axis is None else jax.lax.pmean(loss, axis)
 
-    if mesh is None:
-        return (jax.jit(tx.init), jax.jit(train_step, donate_argnums=(0, 1)),
-                jax.jit(eval_step), None)
+    return train_step, eval_step
+
+
+def _state_layout(ctx: Context, tx, sharded_tx: bool):
+    """``(init, specs)``: the state initializer and the state's PartitionSpecs (None on
+    one device). The sharded MuonAdamW's state is split as ``state_specs`` says; a plain
+    optax state is replicated."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import muon_optax
+
+    if ctx.mesh is None:
+        return jax.jit(tx.init), None
     if sharded_tx:
-        specs = muon_optax.state_specs(tx, params, mesh)
+        specs = muon_optax.state_specs(tx, ctx.abstract_params, ctx.mesh)
     else:
-        specs = jax.tree.map(lambda _: P(), jax.eval_shape(tx.init, params))
-    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-    train = jax.jit(
-        jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-                      out_specs=(P(), specs, P())),
-        donate_argnums=(0, 1))
-    evaluate = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+        specs = jax.tree.map(lambda _: P(), jax.eval_shape(tx.init, ctx.abstract_params))
+    init = jax.jit(jax.shard_map(tx.init, mesh=ctx.mesh, in_specs=P(), out_specs=specs))
+    return init, specs
+
+
+def _build_steps(ctx: Context, tx, sharded_tx: bool) -> Steps:
+    """One device: plain ``jax.jit``. A mesh: ``jax.shard_map`` over ``"data"``, params
+    replicated (``P()``), the batch split by rows (``P("data")``)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    init, specs = _state_layout(ctx, tx, sharded_tx)
+    train_step, eval_step = _step_functions(ctx, tx, sharded_tx)
+    if ctx.mesh is None:
+        return Steps(init, jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step), None)
+    mesh, rows = ctx.mesh, P("data")
+    train = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, rows, rows),
+                                  out_specs=(P(), specs, P())), donate_argnums=(0, 1))
+    evaluate = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(P(), rows, rows),
                                      out_specs=P()))
-    return init, train, evaluate, specs
+    return Steps(init, train, evaluate, specs)
 
 
 class Placement:
@@ -452,16 +788,6 @@ class Placement:
 
         return self.replicated if self.mesh is None else NamedSharding(self.mesh, spec)
 
-    def params(self, tree):
-        import jax
-        import numpy as np
-
-        if self.mesh is None:
-            return jax.device_put(tree, self.replicated)
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)),
-            tree)
-
     def batch(self, x):
         import jax
 
@@ -480,321 +806,201 @@ def _scalar(x) -> float:
     return float(np.asarray(x.addressable_data(0)))
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- one run
 
 
-class Checkpoints:
-    """orbax: ``ckpt/<step>/{params,opt_state,meta}``; restores into the live shardings."""
+@dataclasses.dataclass
+class Run:
+    """One optimizer's run: its functions, checkpoints, log and the live state."""
 
-    def __init__(self, directory: Path, keep: int, fresh: bool, is_main: bool):
-        import orbax.checkpoint as ocp
-
-        self.ocp = ocp
-        directory = directory.resolve()
-        if fresh and directory.exists() and is_main:
-            print(f"starting afresh: removing the old checkpoints in {directory} "
-                  f"(pass --resume to continue them)")
-            shutil.rmtree(directory)
-        import jax
-
-        if jax.process_count() > 1:  # nobody opens the directory before process 0 cleared it
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("train.py: checkpoint directory ready")
-        self.manager = ocp.CheckpointManager(
-            directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
-        self.directory = directory
-
-    def latest(self) -> int | None:
-        return self.manager.latest_step()
-
-    def save(self, step: int, params, opt_state, meta: dict) -> None:
-        ocp = self.ocp
-        if self.manager.latest_step() == step:
-            return
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)))
+    name: str
+    run_dir: Path
+    steps: Steps
+    ckpts: object            # checkpoints.Checkpoints
+    key: dict                # _config_key: what a checkpoint must match
+    start: int
+    log: object = None       # report.RunLog
+    params: object = None
+    opt_state: object = None
+    train: object = None     # the compiled train step
+    peak_lr: float = 0.0
+    lr_mults: object = None  # the lr multiplier of every step (numpy)
+    end: int = 0
+    stopped: bool = False
+    diverged: bool = False
+    compile_s: float = 0.0
+    train_s: float = 0.0
 
     def meta(self, step: int) -> dict:
-        ocp = self.ocp
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"]
-
-    def restore(self, step: int, abstract_params, abstract_state):
-        ocp = self.ocp
-        r = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params),
-            opt_state=ocp.args.StandardRestore(abstract_state)))
-        return r["params"], r["opt_state"]
-
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        return {"step": step, "data_position": step, "config": self.key}
 
 
-class StopRequest:
-    """Ctrl-C (SIGINT) sets a flag checked after each step; a second Ctrl-C aborts at once."""
+def _open_checkpoints(ctx: Context, name: str, run_dir: Path):
+    """``(checkpoints, start step)``; ``--resume`` checks that the settings match."""
+    from checkpoints import Checkpoints
 
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
-
-
-# ----------------------------------------------------------------------------- training
+    a = ctx.args
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = Checkpoints(run_dir / "ckpt", a.keep_ckpts, a.ckpt_every)
+    start = ckpts.latest() if a.resume else None
+    if start is None:
+        if a.resume and ctx.is_main:
+            print(f"[{name}] --resume: no checkpoint in {ckpts.directory}; starting from step 0")
+        return ckpts, 0
+    saved, key = ckpts.meta(start)["config"], _config_key(ctx, name)
+    diff = {k: (saved[k], v) for k, v in key.items() if k in saved and saved[k] != v}
+    if diff:
+        ckpts.close()
+        raise UsageError(
+            f"--resume: the checkpoint in {ckpts.directory} was written with other settings: "
+            + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in diff.items()))
+    return ckpts, start
 
 
-def _read_log(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _initial_state(ctx: Context, run: Run) -> None:
+    """Fresh params and optimizer state, or the checkpoint's, placed for the train step."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    if run.start == 0:
+        run.params = ctx.init_params()  # the same seed, the same init for every optimizer
+        run.opt_state = run.steps.init(run.params)
+        return
+
+    # The restore target: abstract arrays with the shardings the step expects (the
+    # optimizer state's from its PartitionSpecs), so orbax puts every shard in place.
+    def target(x, spec=P()):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.place.sharding(spec))
+
+    state = jax.eval_shape(run.steps.init, ctx.abstract_params)
+    state = (jax.tree.map(target, state) if run.steps.specs is None
+             else jax.tree.map(target, state, run.steps.specs))
+    try:
+        run.params, run.opt_state = run.ckpts.restore(
+            run.start, jax.tree.map(target, ctx.abstract_params), state)
+    except ValueError as e:  # e.g. written by a version with another state layout
+        run.ckpts.close()
+        raise UsageError(f"--resume: cannot restore {run.ckpts.directory / str(run.start)}: "
+                         f"{e}") from None
+    if ctx.is_main:
+        print(f"[{run.name}] resumed from {run.ckpts.directory / str(run.start)} "
+              f"(step {run.start})")
 
 
-def _train_one(ctx: Context, name: str, run_dir: Path) -> dict:
-    """Trains one optimizer from the shared init; resumes from ``run_dir/ckpt`` if asked."""
+def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
     import jax
     import numpy as np
-    from flax import nnx
-    from jax.sharding import PartitionSpec as P
-    from model import GPT
     from optim_setup import lr_multiplier
+
+    a = ctx.args
+    tx, sharded = _make_tx(ctx, name, ctx.abstract_params)
+    ckpts, start = _open_checkpoints(ctx, name, run_dir)
+    run = Run(name, run_dir, _build_steps(ctx, tx, sharded), ckpts, _config_key(ctx, name), start,
+              end=start, peak_lr=_peak_lr(ctx, name))
+    run.lr_mults = np.asarray(jax.jit(jax.vmap(lr_multiplier(
+        a.steps, ctx.warmup_steps, a.warmdown_frac, a.final_lr_frac)))(np.arange(a.steps)))
+    return run
+
+
+def _train_one(ctx: Context, name: str, run_dir: Path, stop: StopSignals) -> dict:
+    """Trains one optimizer from the shared init, or from its checkpoint with --resume."""
+    from report import RunLog
+
+    run = _open_run(ctx, name, run_dir)
+    stop.register(run.start)
+    _initial_state(ctx, run)
+    run.log = RunLog(run_dir / "log.jsonl", run.start, ctx.is_main)
+    if run.start == 0:
+        run.log.write({"step": 0, **_evaluate(ctx, run)})
+    if run.start >= ctx.args.steps:
+        if ctx.is_main:
+            print(f"[{name}] already trained for {run.start} steps; nothing to do")
+    else:
+        _run_steps(ctx, run, stop)
+    run.ckpts.close()
+    run.log.close()
+    return {"stopped": run.stopped, "diverged": run.diverged, "start": run.start,
+            "end": run.end, "compile_s": run.compile_s, "train_s": run.train_s,
+            "records": run.log.records, "ckpt_dir": run.ckpts.directory,
+            "log": run_dir / "log.jsonl"}
+
+
+def _evaluate(ctx: Context, run: Run) -> dict:
+    place = ctx.place
+    res = ctx.dataset.evaluate(
+        lambda x, y: _scalar(run.steps.eval(run.params, place.batch(x), place.batch(y))),
+        max_batches=ctx.args.eval_batches)
+    return {"val_loss": res["loss"], "val_bpb": res["bpb"]}
+
+
+def _compile(ctx: Context, run: Run) -> None:
+    x0, y0 = ctx.dataset.batch(run.start)
+    t0 = time.perf_counter()
+    run.train = run.steps.train.lower(run.params, run.opt_state, ctx.place.batch(x0),
+                                      ctx.place.batch(y0)).compile()
+    run.compile_s = time.perf_counter() - t0
+    if ctx.is_main:
+        print(f"[{run.name}] train step compiled in {run.compile_s:.1f} s")
+
+
+def _step(ctx: Context, run: Run, step: int) -> dict:
+    """Trains on step ``step``'s batch; returns its log record."""
+    t0 = time.perf_counter()
+    x, y = ctx.dataset.batch(step)
+    run.params, run.opt_state, loss = run.train(run.params, run.opt_state, ctx.place.batch(x),
+                                                ctx.place.batch(y))
+    loss = _scalar(loss)
+    dt = time.perf_counter() - t0
+    run.train_s += dt
+    mult = float(run.lr_mults[step])
+    return {"step": step + 1, "loss": loss, "lr_mult": mult, "lr": run.peak_lr * mult,
+            "tokens_per_s": ctx.args.batch_size * ctx.args.seq_len / dt}
+
+
+def _run_steps(ctx: Context, run: Run, stop: StopSignals) -> None:
+    """The training loop: step, evaluate, log, checkpoint; stops as ``stop`` agrees."""
     from tqdm.auto import tqdm
 
-    a, ds = ctx.args, ctx.dataset
-    place = Placement(ctx.mesh)
-    # Same seed, same init for every optimizer.
-    _, params, _ = nnx.split(GPT(ctx.cfg, rngs=nnx.Rngs(a.seed), dtype=ctx.dtype), nnx.Param, ...)
-    tx, sharded_tx = _make_tx(ctx, name, params)
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpts = Checkpoints(run_dir / "ckpt", a.keep_ckpts, fresh=not a.resume, is_main=ctx.is_main)
-    key = _config_key(ctx, name)
-    start = 0
-    if a.resume and ckpts.latest() is not None:
-        start = ckpts.latest()
-        saved = ckpts.meta(start)
-        diff = {k: (saved["config"][k], v) for k, v in key.items()
-                if k in saved["config"] and saved["config"][k] != v}
-        if diff:
-            ckpts.close()
-            raise UsageError(
-                f"--resume: the checkpoint in {ckpts.directory} was written with other settings: "
-                + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in diff.items()))
-
-    init, train_step, eval_step, specs = _build_steps(ctx, tx, sharded_tx, params)
-    if start == 0:
-        params = place.params(params)
-        opt_state = init(params)
-    else:
-        # The restore target: abstract arrays with the shardings the step expects (the
-        # optimizer state's from its PartitionSpecs), so orbax puts every shard in place.
-        def target(x, spec=P()):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place.sharding(spec))
-
-        abstract_state = jax.eval_shape(init, params)
-        abstract_state = (jax.tree.map(target, abstract_state) if specs is None
-                          else jax.tree.map(target, abstract_state, specs))
-        try:
-            params, opt_state = ckpts.restore(start, jax.tree.map(target, params),
-                                              abstract_state)
-        except ValueError as e:  # e.g. written by a version with another state layout
-            ckpts.close()
-            raise UsageError(f"--resume: cannot restore {ckpts.directory / str(start)}: {e}")
-        if ctx.is_main:
-            print(f"[{name}] resumed from {ckpts.directory / str(start)} (step {start})")
-
-    log_path = run_dir / "log.jsonl"
-    records = []
-    if start > 0 and log_path.exists():
-        records = [r for r in _read_log(log_path) if r["step"] <= start]
-    log = open(log_path, "w") if ctx.is_main else None
-
-    def write(record):
-        records.append(record)
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-
-    if log is not None:
-        log.writelines(json.dumps(r) + "\n" for r in records)
-
-    def evaluate(p) -> dict:
-        res = ds.evaluate(lambda x, y: _scalar(eval_step(p, place.batch(x), place.batch(y))),
-                          max_batches=a.eval_batches)
-        return {"val_loss": res["loss"], "val_bpb": res["bpb"]}
-
-    lr_mults = np.asarray(jax.jit(jax.vmap(lr_multiplier(
-        a.steps, ctx.warmup_steps, a.warmdown_frac, a.final_lr_frac)))(np.arange(a.steps)))
-    tokens = a.batch_size * a.seq_len
-
-    def meta(step):
-        return {"step": step, "data_position": step, "config": key}
-
-    result = {"interrupted": False, "diverged": False, "start": start, "end": start,
-              "compile_s": 0.0, "train_s": 0.0}
-
-    if start == 0:
-        write({"step": 0, **evaluate(params)})
-    if start >= a.steps:
-        if ctx.is_main:
-            print(f"[{name}] already trained for {start} steps; nothing to do")
-    else:
-        x0, y0 = ds.batch(start)
-        t0 = time.perf_counter()
-        train_step = train_step.lower(params, opt_state, place.batch(x0),
-                                      place.batch(y0)).compile()
-        result["compile_s"] = time.perf_counter() - t0
-        if ctx.is_main:
-            print(f"[{name}] train step compiled in {result['compile_s']:.1f} s")
-        bar = tqdm(total=a.steps, initial=start, desc=name, unit="step", dynamic_ncols=True,
-                   disable=a.no_progress or not ctx.is_main)
-        saved_at = None
-        with StopRequest() as stop:
-            for step in range(start, a.steps):
-                t0 = time.perf_counter()
-                x, y = ds.batch(step)
-                params, opt_state, loss = train_step(params, opt_state, place.batch(x),
-                                                     place.batch(y))
-                loss = _scalar(loss)
-                dt = time.perf_counter() - t0
-                result["train_s"] += dt
-                done = step + 1
-                record = {"step": done, "loss": loss, "lr_mult": float(lr_mults[step]),
-                          "tokens_per_s": tokens / dt}
-                if not math.isfinite(loss):
-                    write(record)
-                    bar.close()
-                    print(f"[{name}] the loss is {loss} at step {done}: training diverged "
-                          f"(lower the learning rates)", file=sys.stderr)
-                    result.update(diverged=True, end=done)
-                    break
-                if done == a.steps or (a.eval_every and done % a.eval_every == 0):
-                    record.update(evaluate(params))
-                    if ctx.is_main:
-                        bar.write(f"[{name}] step {done}: val loss {record['val_loss']:.4f} "
-                                  f"(bpb {record['val_bpb']:.3f})")
-                write(record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / dt:,.0f}",
-                                lr=f"{record['lr_mult']:.2f}", refresh=False)
-                result["end"] = done
-                if done == a.steps or (a.ckpt_every and done % a.ckpt_every == 0):
-                    ckpts.save(done, params, opt_state, meta(done))
-                    saved_at = done
-                if stop.requested:
-                    break
-        bar.close()
-        if stop.requested:
-            if saved_at != result["end"]:
-                ckpts.save(result["end"], params, opt_state, meta(result["end"]))
-            result["interrupted"] = True
-            if ctx.is_main:
-                print(f"\n[{name}] interrupted: checkpoint of step {result['end']} saved in "
-                      f"{ckpts.directory}; continue with the same command and --resume",
-                      file=sys.stderr)
-    ckpts.close()
-    if log is not None:
-        log.close()
-    result["records"] = records
-    result["ckpt_dir"] = ckpts.directory
-    result["log"] = log_path
-    return result
-
-
-# ----------------------------------------------------------------------------- reporting
-
-
-def _plot(runs: list[tuple[str, list[dict]]], path: Path, ctx: Context) -> None:
-    """Train loss (raw, faint, and an EMA) and validation loss against steps, per optimizer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"muon": "tab:blue", "adamw": "tab:orange"}
-    labels = {"muon": "MuonAdamW (muon_optax)", "adamw": f"AdamW (optax, lr {ctx.args.adamw_lr:g})"}
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
-    lows, highs = [], []
-    for name, records in runs:
-        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-        c = colors.get(name, None)
-        if train:
-            steps, losses = zip(*train)
-            ema, smooth = None, []
-            for v in losses:
-                ema = v if ema is None else 0.9 * ema + 0.1 * v
-                smooth.append(ema)
-            ax.plot(steps, losses, color=c, alpha=0.2, lw=0.7)
-            ax.plot(steps, smooth, color=c, lw=1.4, label=f"{labels.get(name, name)}: train")
-            lows.append(min(smooth))
-        if val:
-            steps, losses = zip(*val)
-            ax.plot(steps, losses, color=c, ls="--", marker="o", ms=4, lw=1.2,
-                    label=f"{labels.get(name, name)}: val ({losses[-1]:.3f})")
-            lows.append(min(losses))
-            highs.append(losses[min(1, len(losses) - 1)])
-    if lows:
-        lo = min(lows)
-        hi = max(highs + [lo + 0.5])
-        ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.3 * (hi - lo))
     a = ctx.args
-    ax.set_title(f"GPT depth {a.depth}, batch {a.batch_size} x {a.seq_len} bytes, "
-                 f"{ctx.num_devices} device{'s' if ctx.num_devices > 1 else ''}", fontsize=10)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    # A 64-colour palette: the same picture at about a third of the bytes.
-    from PIL import Image
-
-    buffer.seek(0)
-    Image.open(buffer).convert("RGB").quantize(colors=64).save(path, optimize=True)
-
-
-def _summary(results: dict, runs, png: Path, elapsed: float, ctx: Context) -> None:
-    print()
-    print(f"finished in {elapsed:.0f} s")
-    for name, run_dir in runs:
-        if name not in results:
-            continue
-        r = results[name]
-        val = [x for x in r["records"] if "val_loss" in x]
-        steps = r["end"] - r["start"]
-        speed = (steps * ctx.args.batch_size * ctx.args.seq_len / r["train_s"]
-                 if r["train_s"] else 0.0)
-        line = f"  {name:>5}: {r['end']} steps"
-        if steps:
-            line += (f" ({steps} this run: {r['train_s']:.1f} s of steps, {speed:,.0f} tokens/s,"
-                     f" compile {r['compile_s']:.1f} s)")
-        print(line)
-        if val:
-            first, last = val[0], val[-1]
-            print(f"         val loss {first['val_loss']:.4f} (step {first['step']}) -> "
-                  f"{last['val_loss']:.4f} (step {last['step']}); bits per byte "
-                  f"{bits_per_byte(first['val_loss']):.3f} -> {last['val_bpb']:.3f}")
-        print(f"         log {r['log']}, checkpoints {r['ckpt_dir']}")
-    print(f"  plot: {png}")
+    _compile(ctx, run)
+    bar = tqdm(total=a.steps, initial=run.start, desc=run.name, unit="step",
+               dynamic_ncols=True, disable=a.no_progress or not ctx.is_main)
+    for step in range(run.start, a.steps):
+        record = _step(ctx, run, step)
+        done = step + 1
+        if not math.isfinite(record["loss"]):  # the same (global) loss on every process
+            run.log.write(record)
+            run.diverged, run.end = True, done
+            bar.close()
+            if ctx.is_main:
+                print(f"[{run.name}] the loss is {record['loss']} at step {done}: training "
+                      f"diverged (lower the learning rates)", file=sys.stderr)
+            break
+        if done == a.steps or (a.eval_every and done % a.eval_every == 0):
+            record.update(_evaluate(ctx, run))
+            if ctx.is_main:
+                bar.write(f"[{run.name}] step {done}: val loss {record['val_loss']:.4f} "
+                          f"(bpb {record['val_bpb']:.3f})")
+        run.log.write(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                        lr=f"{record['lr']:.2e}", refresh=False)
+        run.end = done
+        run.stopped = stop.reached(done)  # every process: the same answer at this step
+        run.ckpts.save(done, run.params, run.opt_state, run.meta(done), stop=run.stopped,
+                       force=done == a.steps)
+        if run.stopped:
+            break
+    bar.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if _aborted:
+        # A second signal: orbax's writer threads may still be busy with the checkpoint
+        # being aborted; exit without waiting for them (its temporary folder is removed
+        # by the next start).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

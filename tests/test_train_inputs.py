@@ -1,0 +1,176 @@
+"""The GPT example refuses bad input before any compile: one line, exit status 2.
+
+In-process (``train.main``); none of these runs trains, so the file takes seconds.
+Also here: the memory estimate, an out-of-memory error turned into one line, and the
+strict JSON of ``log.jsonl``.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("orbax.checkpoint")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+if str(EXAMPLE) not in sys.path:
+    sys.path.insert(0, str(EXAMPLE))
+
+import data  # noqa: E402
+import memory  # noqa: E402
+import report  # noqa: E402
+import train  # noqa: E402
+
+TINY = ["--depth", "1", "--seq-len", "16", "--batch-size", "2", "--steps", "4",
+        "--eval-batches", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    text = b"\n".join(p.read_bytes() for p in sorted(EXAMPLE.glob("*.py")))
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(text[:40_000])
+    return path
+
+
+def refused(capsys, argv, *expected):
+    """Runs ``train.main(argv)``: status 2 and one ``error:`` line naming ``expected``.
+    Returns what the run printed on stdout."""
+    assert train.main([str(a) for a in argv]) == train.EXIT_USAGE
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: "), err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return out
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--max-bytes", "0"], "--max-bytes must be >= 1, got 0"),
+    (["--max-bytes", "-5"], "--max-bytes must be >= 1, got -5"),
+    (["--final-lr-frac", "-1"], "--final-lr-frac must be in [0, 1], got -1"),
+    (["--warmdown-frac", "1.5"], "--warmdown-frac must be in [0, 1]"),
+    (["--matrix-lr", "-0.02"], "--matrix-lr must be a positive number, got -0.02"),
+    (["--embedding-lr", "0"], "--embedding-lr must be a positive number"),
+    (["--adamw-lr", "nan"], "--adamw-lr must be a positive number"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    (["--lr-scale", "0"], "--lr-scale must be a positive number or 'nanochat'"),
+    (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in [0, --steps = 10]"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1"),
+    (["--head-dim", "3"], "--head-dim must be even"),
+    (["--eval-every", "-1"], "--eval-every must be >= 0"),
+    (["--batch-size", "3", "--devices", "2"], "not divisible by --devices 2"),
+    (["--process-id", "1"], "need --distributed"),
+])
+def test_numbers_out_of_range_are_refused(capsys, tmp_path, corpus, flags, expected):
+    refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path, *flags], expected)
+
+
+def test_a_binary_data_file_is_refused_like_folders_skip_it(capsys, tmp_path):
+    noise = tmp_path / "noise.bin"
+    noise.write_bytes(np.random.default_rng(0).integers(0, 256, 200_000, np.uint8).tobytes())
+    refused(capsys, [*TINY, "--data", noise, "--out", tmp_path / "out"], "is not text")
+    png = tmp_path / "img.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 100)
+    refused(capsys, [*TINY, "--data", png, "--out", tmp_path / "out"], "is not text")
+
+
+def test_skipped_files_in_a_folder_are_counted(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("alpha " * 100)
+    (folder / "b.txt").write_text("beta " * 100)
+    (folder / "c.bin").write_bytes(b"\x00\x01" * 100)
+    (folder / "d.txt").write_bytes("caf\xe9".encode("latin-1") * 10)  # not UTF-8
+    corpus = data.read_corpus(folder)
+    assert (corpus.files_read, corpus.files_skipped) == (2, 2)
+    assert "2 text files; 2 skipped: binary or not UTF-8" in corpus.describe()
+    dataset = data.ByteDataset.from_path(folder, batch_size=1, seq_len=4, val_frac=0.1)
+    assert "2 skipped" in dataset.source
+
+
+def test_out_that_is_a_file_is_refused(capsys, tmp_path, corpus):
+    target = tmp_path / "taken"
+    target.write_text("not a directory")
+    refused(capsys, [*TINY, "--data", corpus, "--out", target], "is a file, not a directory")
+    refused(capsys, [*TINY, "--data", corpus, "--out", target / "run"], "is a file")
+
+
+def test_a_model_too_big_for_the_device_is_refused_before_it_is_built(
+        capsys, tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr(memory, "device_memory",
+                        lambda device, n: (100_000, "a test device has 100.0 kB"))
+    out = refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path],
+                  "does not fit", "81,922 params", "a test device has 100.0 kB", "--depth")
+    assert "model: depth 1" in out and "memory per device (estimate)" in out
+    assert not (tmp_path / "config.json").exists()  # refused before the run began
+
+
+def test_out_of_memory_becomes_one_line(capsys, tmp_path, corpus, monkeypatch):
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 TB")
+
+    monkeypatch.setattr(train, "_train_one", exhausted)
+    refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path],
+            "out of memory on cpu", "81,922 params", "--batch-size", "--depth")
+
+
+def test_the_plan_and_memory_estimate_come_before_the_model(tmp_path, corpus, capsys):
+    args = train.build_parser().parse_args([*TINY, "--data", str(corpus), "--out",
+                                            str(tmp_path), "--devices", "2"])
+    ctx = train._setup(args, train._load_data(args), [])
+    out = capsys.readouterr().out
+    assert "81,922 params" in out and "memory per device (estimate): params 327.7 kB" in out
+    est = ctx.estimate
+    assert est.params == est.grads == 81_922 * 4
+    # ZeRO-2 over 2 devices: about half of the single device's optimizer state.
+    one = train._setup(train.build_parser().parse_args([*TINY, "--data", str(corpus), "--out",
+                                                        str(tmp_path)]),
+                       ctx.dataset, []).estimate
+    assert 0.45 < est.state["muon"] / one.state["muon"] < 0.6
+    # What the state of one device really holds.
+    import jax
+
+    tx, sharded = train._make_tx(ctx, "muon", ctx.abstract_params)
+    steps = train._build_steps(ctx, tx, sharded)
+    state = steps.init(ctx.init_params())
+    held = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards
+               if s.device == ctx.devices[0])
+    assert held == est.state["muon"]
+
+
+def test_the_log_is_strict_json(tmp_path):
+    log = report.RunLog(tmp_path / "log.jsonl", 0, write=True)
+    log.write({"step": 1, "loss": 2.5})
+    log.write({"step": 2, "loss": math.nan, "val_loss": math.inf})
+    log.close()
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert records[1] == {"step": 2, "loss": None, "val_loss": None,
+                          "nonfinite": {"loss": "nan", "val_loss": "inf"}}
+
+
+def test_device_memory_of_accelerators_and_of_simulated_cpu_devices():
+    class Accelerator:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+        def memory_stats(self):
+            return {"bytes_limit": 150_000_000_000, "bytes_in_use": 0}
+
+    assert memory.device_memory(Accelerator(), 8) == (150_000_000_000,
+                                                     "a NVIDIA H200 has 150.0 GB")
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    whole, _ = memory.device_memory(cpu, 1)
+    share, phrase = memory.device_memory(cpu, 4)
+    assert share == whole // 4 and "for 4 simulated devices" in phrase

@@ -1,0 +1,254 @@
+"""The GPT example's agreed stop, in real processes on localhost.
+
+Each test starts ``examples/gpt/train.py`` with ``subprocess`` on a tiny config (depth 1,
+batches of 2 x 16 bytes, a 40 KB corpus), sends signals with ``os.kill`` once the run's
+``log.jsonl`` shows that training is under way, and kills every child that is still
+running when the test ends or a timeout passes.
+
+* SIGTERM to a single process: a checkpoint, status 143, and ``--resume`` repeats the
+  loss sequence of an uninterrupted run bit for bit;
+* two processes (``--distributed``, gloo on localhost), SIGINT to process 1 only: both
+  stop after the same step with one checkpoint and status 130 within 120 s, and resume;
+* a second SIGINT while the checkpoint is being written (a wrapper slows orbax's final
+  rename down): one line, no traceback, status 130; the next start removes the
+  unfinished folder and resumes from the last complete checkpoint.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("orbax.checkpoint")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "gpt" / "train.py"
+STEPS = 40
+TINY = ["--depth", "1", "--seq-len", "16", "--batch-size", "2", "--steps", str(STEPS),
+        "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "0", "--no-progress"]
+RUN_TIMEOUT_S = 180   # one process, start to end, on a busy 2-core machine
+STOP_TIMEOUT_S = 120  # from the signal to every process's exit
+# XLA's quick compile: these tests check the control flow, not the speed of the step.
+FAST_XLA = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+
+
+def _env(cache_dir):
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + FAST_XLA)
+    env["JAX_PLATFORMS"] = "cpu"
+    # One compilation cache for the module's processes: a resumed run, or the second
+    # process of a pair, loads the train step instead of compiling it again.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    text = b"\n".join(p.read_bytes() for p in sorted(TRAIN.parent.glob("*.py")))
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(text[:40_000])
+    return path
+
+
+class Processes:
+    """Children of one test; ``close`` kills whatever still runs."""
+
+    def __init__(self, tmp_path, cache_dir):
+        self.tmp_path, self.cache_dir = tmp_path, cache_dir
+        self.procs = []
+
+    def start(self, name, *args, script=TRAIN):
+        log = open(self.tmp_path / f"{name}.txt", "w")
+        proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=log,
+                                stderr=subprocess.STDOUT, env=_env(self.cache_dir), cwd=REPO)
+        proc.name, proc.log = name, self.tmp_path / f"{name}.txt"
+        self.procs.append(proc)
+        return proc
+
+    def output(self, proc):
+        return proc.log.read_text()
+
+    def wait(self, procs, timeout):
+        """Exit codes of ``procs``; fails (with their output) unless all exit in time."""
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if any(p.poll() is None for p in procs):
+            self.close()
+            pytest.fail(f"still running after {timeout} s:\n{self.report(procs)}")
+        return [p.returncode for p in procs]
+
+    def until(self, condition, procs, timeout, what):
+        """Polls ``condition()`` until true; fails if a process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                self.close()
+                pytest.fail(f"never saw {what}:\n{self.report(procs)}")
+            time.sleep(0.05)
+
+    def report(self, procs):
+        return "\n".join(f"--- {p.name} (exit {p.poll()}):\n{self.output(p)[-3000:]}"
+                         for p in procs)
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture
+def procs(tmp_path, cache_dir):
+    p = Processes(tmp_path, cache_dir)
+    yield p
+    p.close()
+
+
+def logged_steps(out):
+    path = Path(out) / "log.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def read_log(out):
+    with open(Path(out) / "log.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def math_of(log):
+    """The records without the timings: what must repeat exactly."""
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in log]
+
+
+def checkpoints(out):
+    ckpt = Path(out) / "ckpt"
+    return sorted(p.name for p in ckpt.iterdir()) if ckpt.exists() else []
+
+
+def test_sigterm_then_resume_equals_an_uninterrupted_run(procs, tmp_path, corpus):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    common = [*TINY, "--data", corpus]
+    reference = procs.start("whole", *common, "--out", whole)
+    run = procs.start("cut", *common, "--out", cut)
+    procs.until(lambda: logged_steps(cut) >= 3, [run], RUN_TIMEOUT_S, "two steps")
+    config = json.loads((cut / "config.json").read_text())  # written at the start
+    assert config["status"] == "running" and config["warmup_steps"] == 4
+    os.kill(run.pid, signal.SIGTERM)
+    assert procs.wait([run], STOP_TIMEOUT_S) == [143], procs.report([run])
+    stopped_at = int(checkpoints(cut)[-1])
+    assert checkpoints(cut) == [str(stopped_at)] and 2 <= stopped_at < STEPS
+    assert f"interrupted (SIGTERM): checkpoint of step {stopped_at}" in procs.output(run)
+    assert json.loads((cut / "config.json").read_text())["status"] == "stopped (SIGTERM)"
+
+    resumed = procs.start("resumed", *common, "--out", cut, "--resume")
+    assert procs.wait([resumed, reference], RUN_TIMEOUT_S) == [0, 0], procs.report(
+        [resumed, reference])
+    assert f"(step {stopped_at})" in procs.output(resumed)
+    assert math_of(read_log(cut)) == math_of(read_log(whole))  # bitwise the same run
+
+
+def _gloo_available():
+    try:
+        from jax._src.lib import _jax
+    except ImportError:  # pragma: no cover - other jaxlib layouts
+        return False
+    return hasattr(_jax, "make_gloo_tcp_collectives")
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_pair(procs, name, out, corpus, *extra):
+    port = _free_port()
+    return [procs.start(f"{name}{i}", *TINY, "--data", corpus, "--out", out, "--distributed",
+                        "--devices", "2", "--coordinator", f"127.0.0.1:{port}",
+                        "--num-processes", "2", "--process-id", i, "--batch-size", 4, *extra)
+            for i in range(2)]
+
+
+@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_sigint_to_one_of_two_processes_stops_both_at_one_step(procs, tmp_path, corpus):
+    out = tmp_path / "out"
+    pair = _start_pair(procs, "first", out, corpus)
+    procs.until(lambda: logged_steps(out) >= 3, pair, RUN_TIMEOUT_S, "two steps")
+    os.kill(pair[1].pid, signal.SIGINT)
+    assert procs.wait(pair, STOP_TIMEOUT_S) == [130, 130], procs.report(pair)
+    stopped_at = int(checkpoints(out)[-1])
+    assert checkpoints(out) == [str(stopped_at)] and 2 <= stopped_at < STEPS
+    assert "interrupted (SIGINT on process 1)" in procs.output(pair[0])
+    assert read_log(out)[-1]["step"] == stopped_at
+
+    pair = _start_pair(procs, "again", out, corpus, "--resume")
+    assert procs.wait(pair, RUN_TIMEOUT_S) == [0, 0], procs.report(pair)
+    assert f"(step {stopped_at})" in procs.output(pair[0])
+    assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
+
+
+# Runs train.py with orbax's final rename of a step's checkpoint held back (a slow
+# filesystem): saves of steps above SLOW_AFTER never complete on their own.
+SLOW_SAVES = """
+import asyncio, runpy, sys
+from orbax.checkpoint._src.path import atomicity
+
+SLOW_AFTER = int(sys.argv.pop(1))
+original = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def finalize(self, *args, **kwargs):
+    name = self.get_final().name
+    if name.isdigit() and int(name) > SLOW_AFTER:
+        await asyncio.sleep(3600)
+    return await original(self, *args, **kwargs)
+
+atomicity.AtomicRenameTemporaryPath.finalize = finalize
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def test_second_sigint_during_a_save_aborts_cleanly(procs, tmp_path, corpus):
+    out, wrapper = tmp_path / "out", tmp_path / "slow_saves.py"
+    wrapper.write_text(SLOW_SAVES.format(train=str(TRAIN)))
+    common = [*TINY, "--data", corpus, "--out", out, "--ckpt-every", "3"]
+    run = procs.start("slow", 3, *common, script=wrapper)
+    procs.until(lambda: logged_steps(out) >= 6, [run], RUN_TIMEOUT_S, "five steps")
+    os.kill(run.pid, signal.SIGINT)
+
+    def unfinished():
+        ckpt = out / "ckpt"
+        return ckpt.exists() and any("tmp" in p.name for p in ckpt.iterdir())
+
+    procs.until(unfinished, [run], STOP_TIMEOUT_S, "a checkpoint being written")
+    os.kill(run.pid, signal.SIGINT)
+    assert procs.wait([run], STOP_TIMEOUT_S) == [130], procs.report([run])
+    text = procs.output(run)
+    assert text.count("aborted by a second signal") == 1 and "Traceback" not in text, text
+    assert "3" in checkpoints(out) and unfinished()
+
+    resumed = procs.start("resumed", *common, "--resume")
+    assert procs.wait([resumed], RUN_TIMEOUT_S) == [0], procs.report([resumed])
+    assert "(step 3)" in procs.output(resumed)
+    assert not unfinished() and str(STEPS) in checkpoints(out)
+    assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
