@@ -365,3 +365,101 @@ def test_mesh_mode_under_plain_jit_matches_single_device_and_shards_state():
         got, want = new, ref
     hlo = step(tx).lower(got, state, grads).compile().as_text()
     assert "all-gather" in hlo
+
+
+# ------------------------------------------- gradients taken inside shard_map (jax.grad)
+
+
+def _tiny_lm():
+    rng = np.random.default_rng(0)
+    params = {"embed": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
+              "w1": (rng.standard_normal((32, 64)) / 8).astype(np.float32),
+              "w2": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
+              "gain": np.ones(32, np.float32)}
+    groups = {"adamw": dict(kind="adamw", lr=3e-3, betas=(0.8, 0.95), eps=1e-10,
+                            weight_decay=0.0),
+              "muon": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
+                           weight_decay=0.1, compute_dtype=jnp.float32)}
+    labels = muon_optax.label_by_path([("embed", "adamw")])
+    return params, groups, labels
+
+
+def _loss(params, tokens):
+    h = params["embed"][tokens] * params["gain"]
+    return jnp.mean((jax.nn.relu(h @ params["w1"]) @ params["w2"] - h) ** 2)
+
+
+def test_grads_inside_shard_map_match_one_device_on_the_global_batch():
+    """The README's recipe, end to end: each device's jax.grad at pcast(params) goes to
+    tx.update; the step equals one device on the whole batch, and the compiled step
+    all-reduces no gradient (reduce-scatter + all-gather: one all-reduce's bytes)."""
+    n = 4
+    params, groups, labels = _tiny_lm()
+    mesh = sp.make_mesh((n,))
+    tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
+    specs = muon_optax.state_specs(tx, params, mesh)
+
+    def train_step(params, state, tokens):
+        grads = jax.grad(_loss)(jax.lax.pcast(params, "data", to="varying"), tokens)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    single = muon_optax.muon_adamw(groups, labels)
+    state1, p1, p = single.init(params), params, params
+
+    @jax.jit
+    def step1(params, state, tokens):
+        updates, state = single.update(jax.grad(_loss)(params, tokens), state, params)
+        return optax.apply_updates(params, updates), state
+
+    for s in range(3):
+        tokens = jax.random.randint(jax.random.PRNGKey(s), (4 * n, 8), 0, 64)
+        p, state = step(p, state, tokens)
+        p1, state1 = step1(p1, state1, tokens)
+    for k in params:
+        assert_changes_close({k: params[k]}, {k: to_np(p[k])}, {k: to_np(p1[k])},
+                             np.float32, 1e-4)
+
+    ops = sp.collectives(step.lower(p, state, tokens).compile().as_text(), n)
+    small = sum(x.size * 4 for k, x in params.items() if x.size < 1024)
+    assert ops.get("all-reduce", {"bytes": 0})["bytes"] <= small + 64, ops
+    # Reduce-scatter then all-gather of the same (padded) buffers: a ring all-reduce's
+    # two halves, the bytes muon_optax.estimate plans for.
+    rs, ag = ops["reduce-scatter"]["bytes"], ops["all-gather"]["bytes"]
+    big = sum(x.size * 4 for x in params.values() if x.size >= 1024)
+    assert rs == ag >= big, (rs, ag, big)
+    ring = sum(op["ring"] for op in ops.values())
+    assert ring == pytest.approx(muon_optax.estimate(tx, params, n)["collective_bytes"][0])
+
+
+def test_reduced_gradients_are_refused_inside_shard_map():
+    params, groups, labels = _tiny_lm()
+    mesh = sp.make_mesh((4,))
+    tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
+    specs = muon_optax.state_specs(tx, params, mesh)
+
+    def train_step(params, state, tokens):
+        grads = jax.grad(_loss)(params, tokens)       # summed over "data": invariant
+        return tx.update(grads, state, params)
+
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+    with pytest.raises(ValueError, match=r"pcast\(params, 'data', to='varying'\)"):
+        step(params, state, jnp.zeros((16, 8), jnp.int32))
+
+
+def test_adamw_split_prefers_the_leading_axis():
+    # Splitting a minor axis transposes the gradient, the param and both moments every
+    # step (1.66x the step time for a (32001, 512) embedding on 8 devices, BENCHMARKS.md)
+    # to save a few rows of padding.
+    from muon_optax.sharding import adamw_shard_axis
+
+    for shape in [(50257, 768), (32001, 4096)]:
+        for n in range(2, 65):
+            assert adamw_shard_axis(shape, n, 1024) == 0, (shape, n)
+    assert adamw_shard_axis((3, 4096), 8, 1024) == 1        # 3 rows over 8: pad 167%
+    assert adamw_shard_axis((100,), 8, 1024) is None         # small: replicated
