@@ -1,0 +1,88 @@
+"""``describe``: what the optimizer will do with each parameter, before it runs."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+import optax
+
+from muon_optax.hparams import MuonConfig
+
+
+def describe(tx: optax.GradientTransformation, params: Any, *,
+             num_devices: int | None = None, file: TextIO | None = sys.stdout
+             ) -> list[dict[str, Any]]:
+    """Each leaf's path, shape, group, how Muon sees it and which stack it joins.
+
+    Prints a table to ``file`` (``None``: print nothing) and returns its rows, one dict
+    per leaf: ``path``, ``shape``, ``group``, ``kind`` (``"adamw"``/``"muon"``), and for
+    Muon leaves ``matrices`` (how many), ``matrix`` (``(out, in)``), ``stored`` (the
+    stack's ``(R, C)`` layout, ``"transposed"`` when the leaf is stored as its
+    transpose), ``stack`` (its index), ``transport`` and ``owners`` (devices owning its
+    matrices). ``num_devices``: plan for that many devices along the owner axis.
+    Check a labelling before training, for example that no bias or norm scale of a
+    scanned Flax model went to Muon::
+
+        muon_optax.describe(tx, params)
+    """
+    init = getattr(tx, "init", None)
+    if not hasattr(init, "plan"):
+        raise TypeError("describe needs the transformation returned by muon_optax.muon_adamw "
+                        "(or muon/adamw/contrib_muon) itself, not a chain or a wrapper.")
+    plan = init.plan(params, num_devices)
+    leaves = plan.treedef.flatten_up_to(params)
+    rows: list[dict[str, Any]] = [dict(path=p, shape=tuple(x.shape)) for p, x in
+                                  zip(plan.paths, leaves)]
+    for a in plan.adamw:
+        rows[a.index].update(group=a.group, kind="adamw",
+                             split="as laid out" if a.local else (
+                                 "replicated" if a.axis is None else f"axis {a.axis}"))
+    for k, sp in enumerate(plan.owner.stacks):
+        start = 0
+        for m in sp.stack.members:
+            owners = sorted({int(d) for d in sp.owners[start:start + m.batch]})
+            start += m.batch
+            rows[m.index].update(
+                group=m.group, kind="muon", matrices=m.batch, matrix=(m.rows, m.cols),
+                stored=(sp.stack.rows, sp.stack.cols, "transposed" if m.transposed else ""),
+                stack=k, transport=sp.transport, owners=owners)
+    if file is not None:
+        print(_table(rows, plan.num_devices, init.configs), file=file)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], n: int, configs: dict[str, Any]) -> str:
+    header = ["path", "shape", "group", "Muon: matrices (out x in)", "stack"]
+    if n > 1:
+        header.append(f"owners of {n} devices")
+    lines = []
+    for r in rows:
+        if r["kind"] == "muon":
+            rows_, cols_, t = r["stored"]
+            seen = f"{r['matrices']} x {r['matrix'][0]}x{r['matrix'][1]}"
+            stack = f"#{r['stack']} ({rows_}x{cols_}{', ' + t if t else ''})"
+            owners = _ranges(r["owners"]) + (f" [{r['transport']}]" if n > 1 else "")
+        else:
+            seen, stack, owners = "AdamW", "-", r["split"]
+        kind = "muon" if isinstance(configs[r["group"]], MuonConfig) else "adamw"
+        line = [r["path"], "x".join(map(str, r["shape"])) or "()", f"{r['group']} ({kind})",
+                seen, stack] + ([owners] if n > 1 else [])
+        lines.append(line)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    return "\n".join(out + [fmt.format(*line) for line in lines])
+
+
+def _ranges(devices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts, run = [], []
+    for d in devices + [None]:
+        if run and (d is None or d != run[-1] + 1):
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+            run = []
+        if d is not None:
+            run.append(d)
+    return ", ".join(parts)
+
