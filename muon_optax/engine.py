@@ -289,12 +289,16 @@ def _slot_direction(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, 
     return o, MuonStackState(stored, s), d
 
 
-def _skipped(g, state: MuonStackState, dtype):
-    """An unowned slot: a zero direction (varying like a computed one), state as is."""
-    zero = jnp.zeros(g.shape, dtype)
+def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
+    """An unowned slot: a zero direction (and ``<U, O>``), varying like computed ones,
+    the state as is."""
     axes = tuple(sorted(varying_axes(g) | varying_axes(state.momentum)))
-    zero = jax.lax.pcast(zero, axes, to="varying") if axes else zero
-    return zero, state, jnp.zeros((g.shape[0], 1, 1))
+
+    def varying(x):
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+    d = jnp.zeros((g.shape[0], 1, 1))
+    return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
 
 
 def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev):
@@ -341,7 +345,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: 
         hp = _slot_hparams(sp, hps, comm, j, 1)
         o, state, d = jax.lax.cond(
             owned, lambda g, s: _slot_direction(g, s, hp, cfg, count, dtype),
-            lambda g, s: _skipped(g, s, dtype), g, state)
+            lambda g, s: _skipped(g, s, dtype, cfg.adaptive), g, state)
         # Unchanged where not owned.
         bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
         moves.store(k, j, o, owned)
