@@ -137,6 +137,16 @@ def sharded_fns(tx, params, mesh, axis="data"):
     return init, step, specs
 
 
+def fsdp_specs(params, n):
+    """Each >= 2-D leaf split over "data" along its first axis that ``n`` divides."""
+    def spec(x):
+        for a, d in enumerate(x.shape):
+            if x.ndim >= 2 and d % n == 0:
+                return P(*([None] * a), "data")
+        return P()
+    return jax.tree.map(spec, params)
+
+
 def make_tx(axis_name="data"):
     return muon_optax.muon_adamw(groups(), LABELS, axis_name=axis_name)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import muon_optax
@@ -55,7 +56,7 @@ def _worker_env():
     return env
 
 
-def run_workers(out_dir):
+def run_workers(out_dir, mode="zero2"):
     """Starts the processes and waits for all; returns their logs. Kills every child
     still running on a timeout or any error."""
     port = _free_port()
@@ -67,7 +68,7 @@ def run_workers(out_dir):
                 procs.append(subprocess.Popen(
                     [sys.executable, str(WORKER), "--process-id", str(i),
                      "--num-processes", str(NUM_PROCESSES), "--port", str(port),
-                     "--steps", str(STEPS), "--out", str(out_dir)],
+                     "--steps", str(STEPS), "--out", str(out_dir), "--mode", mode],
                     stdout=log, stderr=subprocess.STDOUT, env=_worker_env(), cwd=REPO))
         deadline = time.monotonic() + TIMEOUT_S
         while True:
@@ -125,3 +126,27 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
         err = np.linalg.norm(got - w)
         allowed = 3e-5 * np.linalg.norm(w - p) + 1e-7 * np.linalg.norm(p)
         assert err <= allowed, f"{k}: {err:.2e} > {allowed:.2e}"
+
+
+@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_two_processes_fsdp_match_one_device(tmp_path):
+    """Params split over the 8 devices of 2 processes (mesh=, plain jit): the Muon
+    matrices reach their owners across processes by all-to-all. Every device sees the
+    mean gradient, so the run equals the one-device run."""
+    codes, report = run_workers(tmp_path, mode="fsdp")
+    assert codes == [0] * NUM_PROCESSES, f"workers failed or timed out ({TIMEOUT_S}s):\n{report}"
+    results = [dict(np.load(tmp_path / f"params_{i}.npz")) for i in range(NUM_PROCESSES)]
+    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
+    p0 = sp.make_params()
+    params, state = p0, tx.init(p0)
+    for s in range(STEPS):
+        grads = sp.mean_grads(sp.device_grads(s, range(4)), np.float32)
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    for path, w in jax.tree_util.tree_flatten_with_path(params)[0]:
+        k = muon_optax.path_str(path)
+        w, p = np.asarray(w, np.float64), np.asarray(
+            dict(jax.tree_util.tree_flatten_with_path(p0)[0])[path], np.float64)
+        for r in results:
+            err = np.linalg.norm(r[k].astype(np.float64) - w)
+            assert err <= 1e-5 * np.linalg.norm(w - p) + 1e-7 * np.linalg.norm(p), k

@@ -27,16 +27,6 @@ def mean_grads(step):
     return sp.mean_grads(sp.device_grads(step, range(4)), np.float32)
 
 
-def fsdp_specs(params, n):
-    """Each >= 2-D leaf split over "data" along its first axis that n divides."""
-    def spec(x):
-        for a, d in enumerate(x.shape):
-            if x.ndim >= 2 and d % n == 0:
-                return P(*([None] * a), "data")
-        return P()
-    return jax.tree.map(spec, params)
-
-
 class Single:
     def __init__(self):
         self.tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
@@ -73,7 +63,7 @@ class Meshed:
     def __init__(self, n, fsdp):
         self.mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,),
                                   devices=jax.devices()[:n])
-        self.specs = fsdp_specs(sp.make_params(), n) if fsdp else None
+        self.specs = sp.fsdp_specs(sp.make_params(), n) if fsdp else None
         self.tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data",
                                         mesh=self.mesh)
 
