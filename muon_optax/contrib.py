@@ -34,9 +34,9 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from muon_optax.engine import build
 from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar
 from muon_optax.labels import path_str
+from muon_optax.optimizer import build
 from muon_optax.polar import (
     DION_COEFFS,
     POLAR_EXPRESS_COEFFS,

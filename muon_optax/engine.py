@@ -22,32 +22,20 @@ engine runs its own ``shard_map`` over the params' own layouts (FSDP, tensor par
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
 from muon_optax.hparams import AdamWConfig, MuonConfig
-from muon_optax.muon import (
-    MuonStackState,
-    dual_norm,
-    leaf_update,
-    momentum_buffer,
-    momentum_input,
-    muon_hparams,
-    normalized_direction,
-    reads_back,
-)
-from muon_optax.plan import StackPlan, TreePlan, make_tree_plan
-from muon_optax.polar import after
+from muon_optax.labels import path_str
+from muon_optax.muon import muon_hparams
+from muon_optax.plan import TreePlan, make_tree_plan
 from muon_optax.sharding import (
     Collectives,
     check_spec,
@@ -58,16 +46,7 @@ from muon_optax.sharding import (
     typed_spec,
     varying_axes,
 )
-from muon_optax.transport import Transports
-
-
-class MuonBuffers(NamedTuple):
-    """The Muon state of the matrices of one dtype, as ``(N, L)`` arrays split over the
-    owner axes: row ``d`` is device ``d``'s share, the momenta (resp. NorMuon second
-    moments) of the matrices it owns, back to back, stack by stack."""
-
-    momentum: jax.Array
-    second_moment: jax.Array
+from muon_optax.stacks import MuonBuffers, muon_phase
 
 
 class MuonAdamWState(NamedTuple):
@@ -111,8 +90,6 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
     """
     if opts.mesh is None:
         return None
-    from muon_optax.labels import path_str
-
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [path_str(p) for p, _ in flat]
     leaves = [x for _, x in flat]
@@ -214,198 +191,6 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, g_lea
 # ------------------------------------------------------------------ Muon
 
 
-def _slot_hparams(sp: StackPlan, hps, comm: Collectives, j0: int, n: int) -> dict:
-    """Momentum, beta2 and orientation of slots ``j0 .. j0+n``: scalars when uniform."""
-    members = sp.stack.members
-    member_of = np.repeat(np.arange(len(members)), [m.batch for m in members])
-    slots = np.maximum(sp.slots[:, j0:j0 + n], 0)        # unowned slots: as matrix 0
-    groups = sorted({m.group for m in members})
-    out = {}
-    for key in ("momentum", "beta2"):
-        if len(groups) == 1:
-            out[key] = hps[groups[0]][key]
-        else:  # a stack shared by groups: each slot's group value
-            index = np.vectorize(lambda i: groups.index(members[member_of[i]].group))(slots)
-            table = jnp.stack([hps[g][key] for g in groups])
-            out[key] = table[jnp.asarray(comm.pick(index))][:, None, None]
-    flags = np.vectorize(lambda i: members[member_of[i]].transposed)(slots)
-    if (flags == flags.flat[0]).all():
-        out["transposed"] = bool(flags.flat[0])
-    else:
-        out["transposed"] = jnp.asarray(comm.pick(flags))
-    return out
-
-
-def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
-    """Where slot ``j`` of stack ``k`` starts in this device's momentum and second-moment
-    shares (a run of slots is one contiguous slice of each)."""
-    key = sp.state_key
-    return (comm.pick(plan.owner.momentum[key].offsets[k]) + j * sp.stack.rows * sp.stack.cols,
-            comm.pick(plan.owner.second[key].offsets[k]) + j * sp.second_size)
-
-
-def _slice(buf: jax.Array, start, size: int) -> jax.Array:
-    if isinstance(start, int):
-        return buf[:, start:start + size]
-    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=1)
-
-
-def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
-    st = sp.stack
-    momentum = _slice(bufs.momentum, at[0], n * st.rows * st.cols)
-    second = _slice(bufs.second_moment, at[1], n * sp.second_size)
-    return MuonStackState(momentum.reshape(n, st.rows, st.cols),
-                          second.reshape((n,) + sp.second_shape))
-
-
-def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) -> jax.Array:
-    """Writes ``x`` into the state buffer in place, once ``ready`` is computed.
-
-    Every read of the old values (XLA may repeat one inside several fusions) feeds
-    ``ready`` or ``x``, so waiting for ``ready`` lets XLA update the buffer without
-    copying it.
-    """
-    x = after(x, ready).reshape(1, -1).astype(buf.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=1)
-
-
-def _momentum_args(cfg: MuonConfig, count: jax.Array) -> dict[str, Any]:
-    return dict(nesterov=cfg.nesterov, count=count if cfg.bias_correction else None,
-                complement=cfg.momentum_complement())
-
-
-def _slot_direction(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
-    """One run of slots, as :func:`muon_optax.muon.muon_direction`, plus the per-matrix
-    ``<U, O>`` that ``adaptive`` sums per leaf (zeros without it)."""
-    g32, comp = g.astype(jnp.float32), cfg.momentum_complement()
-    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
-                            complement=comp)
-    stored = buf32.astype(state.momentum.dtype)
-    u = momentum_input(g32, stored if reads_back(cfg, stored.dtype) else buf32,
-                       hp["momentum"], **_momentum_args(cfg, count))
-    o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
-                                transposed=hp["transposed"], cfg=cfg, dtype=dtype)
-    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else jnp.zeros((g.shape[0], 1, 1))
-    return o, MuonStackState(stored, s), d
-
-
-def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
-    """An unowned slot: a zero direction (and ``<U, O>``), varying like computed ones,
-    the state as is."""
-    axes = tuple(sorted(varying_axes(g) | varying_axes(state.momentum)))
-
-    def varying(x):
-        return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-    d = jnp.zeros((g.shape[0], 1, 1))
-    return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
-
-
-def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev):
-    """The ``base`` slots every device owns, as one batched program. The new momentum
-    goes into its buffer before the polar iteration starts; when ``U`` reads it back (as
-    nanochat does) it is computed straight into the buffer, with no temporary."""
-    cfg, n = sp.stack.config, sp.base
-    g, at = moves.load(k, 0, n, prev), _state_at(k, sp, plan, comm, 0)
-    state = _read_state(bufs, at, n, sp)
-    g32 = g.astype(jnp.float32)
-    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
-                            complement=cfg.momentum_complement())
-    stored = buf32.astype(state.momentum.dtype)
-    args = _momentum_args(cfg, count)
-    if reads_back(cfg, stored.dtype):
-        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored))
-        u = momentum_input(g32, _read_state(bufs, at, n, sp).momentum, hp["momentum"], **args)
-    else:
-        u = momentum_input(g32, buf32, hp["momentum"], **args)
-        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored, u))
-    o, second = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
-                                     transposed=hp["transposed"], cfg=cfg, dtype=sp.stack.dtype)
-    bufs = bufs._replace(second_moment=_write(bufs.second_moment, at[1], second, o))
-    moves.store(k, 0, o)
-    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else None
-    return bufs, o, d
-
-
-def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: MuonBuffers,
-                hps, comm: Collectives, count, prev):
-    """One stack's owned slots: the first ``base`` batched, the rest one by one, each
-    skipped (``lax.cond``) on devices that own fewer. Returns the state buffers, the
-    last direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
-    cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
-    if sp.base:
-        hp = _slot_hparams(sp, hps, comm, 0, sp.base)
-        bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev)
-        duals.append(d)
-    counts = comm.pick(sp.counts)
-    for j in range(sp.base, sp.num_slots):
-        owned = counts > j
-        at = _state_at(k, sp, plan, comm, j)
-        g, state = moves.load(k, j, 1, prev), _read_state(bufs, at, 1, sp)
-        hp = _slot_hparams(sp, hps, comm, j, 1)
-        o, state, d = jax.lax.cond(
-            owned, lambda g, s: _slot_direction(g, s, hp, cfg, count, dtype),
-            lambda g, s: _skipped(g, s, dtype, cfg.adaptive), g, state)
-        # Unchanged where not owned.
-        bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
-        moves.store(k, j, o, owned)
-        duals.append(d)
-        prev = o
-    return bufs, prev, (jnp.concatenate([d.reshape(-1) for d in duals])
-                        if cfg.adaptive else None)
-
-
-def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) -> dict:
-    """``adaptive``'s ``<U, O>`` summed over each leaf's matrices, whichever devices own
-    them: every device's slot values, all-gathered (a few numbers per device)."""
-    if not duals:
-        return {}
-    offsets, start = {}, 0
-    for k in sorted(duals):
-        offsets[k], start = start, start + plan.owner.stacks[k].num_slots
-    mine = jnp.concatenate([duals[k] for k in sorted(duals)])
-    everyone = comm.gather(mine, 0) if comm.active else mine
-    out = {}
-    for k in duals:
-        sp = plan.owner.stacks[k]
-        slot_of, first = sp.slot_of(), 0
-        for m in sp.stack.members:
-            idx = [int(sp.owners[i]) * start + offsets[k] + int(slot_of[i])
-                   for i in range(first, first + m.batch)]
-            first += m.batch
-            out[m.index] = jnp.sum(everyone[np.asarray(idx)])
-    return out
-
-
-def _muon_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, count, g_leaves,
-                p_leaves, state, updates: list) -> tuple[MuonBuffers, ...]:
-    """Muon leaves: fills ``updates``; returns the new state buffers.
-
-    Stacks run one after another (each reads the state buffers the previous one wrote),
-    so only one stack's temporaries are alive at a time; the collectives of a channel
-    carry every stack's matrices at once.
-    """
-    moves = Transports(plan.owner, g_leaves, comm)
-    bufs = dict(zip(plan.state_keys, state.muon))   # each (1, L): updated in place
-    prev, duals = None, {}
-    for k, sp in enumerate(plan.owner.stacks):
-        key = sp.state_key
-        bufs[key], prev, d = _stack_step(k, sp, plan, moves, bufs[key], hps, comm, count, prev)
-        if d is not None:
-            duals[k] = d
-    local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
-    directions = moves.finish(local_shapes)
-    scales = _leaf_duals(plan, comm, duals)
-    for m in plan.muon:
-        hp, cfg = hps[m.group], opts.configs[m.group]
-        o = directions[m.index]
-        if m.index in scales:
-            o = o.astype(jnp.float32) * scales[m.index]
-        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
-                                       rows=m.rows, cols=m.cols, cfg=cfg)
-    return tuple(bufs.values())
-
-
 # ------------------------------------------------------------------ state layout
 
 
@@ -504,7 +289,7 @@ def _local_update(plan: TreePlan, opts: Options, grads, state, params):
     updates = [None] * len(g_leaves)
     mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, g_leaves, p_leaves, state,
                           updates)
-    muon = _muon_phase(plan, opts, comm, hps, count, g_leaves, p_leaves, state, updates)
+    muon = muon_phase(plan, opts.configs, comm, hps, count, g_leaves, p_leaves, state, updates)
     new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon)
     return plan.treedef.unflatten(updates), new_state
 
@@ -513,13 +298,15 @@ def _needs_params(opts: Options) -> bool:
     return any(isinstance(c, MuonConfig) or c.needs_params() for c in opts.configs.values())
 
 
-class _Init:
+class Init:
     """``tx.init``, carrying what :func:`muon_optax.state_specs`, ``describe``,
     ``estimate`` and the portable state need to know about the transformation."""
 
-    def __init__(self, fn: Callable, opts: Options, state_specs: Callable):
-        self._fn, self.options, self.state_specs = fn, opts, state_specs
-        self.configs = opts.configs
+    def __init__(self, fn: Callable, opts: Options):
+        self._fn, self.options, self.configs = fn, opts, opts.configs
+
+    def state_specs(self, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
+        return state_specs_of(self.options, params, mesh)
 
     def __call__(self, params: Any) -> MuonAdamWState:
         return self._fn(params)
@@ -561,21 +348,14 @@ def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str,
     return tuple((a, opts.mesh.shape[a]) for a in opts.axes)
 
 
-def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
-          dimension_numbers: Any = None, axis_name: Any = None,
-          mesh: jax.sharding.Mesh | None = None, param_specs: Any = None,
-          small_param_threshold: int = 1024,
-          name: str = "muon_adamw") -> optax.GradientTransformation:
-    """The engine behind :func:`muon_adamw`, :func:`muon` and :func:`adamw`."""
-    from muon_optax.sharding import owner_axes
-
-    opts = Options(dict(configs), param_labels, dimension_numbers, owner_axes(axis_name), mesh,
-                   param_specs, small_param_threshold, name)
+def local_fns(opts: Options):
+    """``(init, update)`` of the one-device form and of the ``shard_map`` form (run
+    inside the user's ``shard_map``, where the owner axes are bound)."""
 
     def axes_here() -> tuple[tuple[str, int], ...]:
         if opts.axes is None:
             return ()
-        Collectives(opts.axes, where=name)         # a clear error outside shard_map
+        Collectives(opts.axes, where=opts.name)         # a clear error outside shard_map
         return tuple((a, jax.lax.axis_size(a)) for a in opts.axes)
 
     def init_fn(params):
@@ -583,105 +363,24 @@ def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
 
     def update_fn(grads, state, params=None):
         if params is None and _needs_params(opts):
-            raise ValueError(f"{name}: update needs the params (Muon's cautious weight decay "
-                             "and AdamW's weight decay read them): call "
+            raise ValueError(f"{opts.name}: update needs the params (Muon's cautious weight "
+                             "decay and AdamW's weight decay read them): call "
                              "tx.update(grads, state, params).")
-        _check_structure(grads, params, name)
+        _check_structure(grads, params, opts.name)
         plan = tree_plan(opts, params if params is not None else grads, axes_here())
         return _local_update(plan, opts, grads, state, params)
 
-    def state_specs(params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-        if opts.axes is None:
-            raise ValueError("state_specs: this transformation was built without "
-                             "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
-        missing = [a for a in opts.axes if a not in mesh.shape]
-        if missing:
-            raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
-                             f"{missing[0]!r}.")
-        axes = tuple((a, mesh.shape[a]) for a in opts.axes)
-        return state_partition_specs(tree_plan(opts, params, axes), opts.axes)
-
-    if mesh is not None:
-        init_fn, update_fn = _wrap_in_shard_map(opts)
-    return optax.GradientTransformation(_Init(init_fn, opts, state_specs), update_fn)
+    return init_fn, update_fn
 
 
-# ------------------------------------------------------------------ plain jax.jit (mesh=)
-
-
-def _wrap_in_shard_map(opts: Options):
-    """For plain ``jax.jit`` users: init and update run their own ``shard_map``.
-
-    Every leaf enters in its own layout (``in_specs`` from :func:`leaf_specs`), the
-    gradients already averaged by XLA; the updates leave laid out like the params and
-    the state stays split over the owner axes. (``check_vma=False``: a block that an
-    all-to-all hands to all of its holders is the same on each, which jax's types
-    cannot see.)
-    """
-    mesh, name = opts.mesh, opts.name
+def state_specs_of(opts: Options, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
+    """PartitionSpecs of the state of ``params`` on ``mesh`` (for ``shard_map`` users)."""
+    if opts.axes is None:
+        raise ValueError("state_specs: this transformation was built without "
+                         "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
+    missing = [a for a in opts.axes if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
+                         f"{missing[0]!r}.")
     axes = tuple((a, mesh.shape[a]) for a in opts.axes)
-
-    def layouts(plan: TreePlan):
-        return plan.treedef.unflatten([to_partition_spec(s) for s in plan.specs])
-
-    explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
-
-    def moved(x, spec: P, path: str = "state"):
-        """Explicit axes: a leaf typed with another layout (or none: unplaced) moves to
-        ``spec`` first. Auto axes need nothing: XLA moves data to match ``in_specs``."""
-        if not explicit:
-            return x
-        typed = typed_spec(x, path) or ((),) * len(x.shape)
-        if to_partition_spec(typed) != to_partition_spec(normalize_spec(spec, len(x.shape),
-                                                                        path)):
-            x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
-        return x
-
-    def placed(tree, plan: TreePlan):
-        leaves = plan.treedef.flatten_up_to(tree)
-        return plan.treedef.unflatten([moved(x, to_partition_spec(s), path) for x, s, path
-                                       in zip(leaves, plan.specs, plan.paths)])
-
-    def placed_state(state, sspecs):
-        return jax.tree.map(moved, state, sspecs)
-
-    def init(params):
-        _outside_shard_map(name)
-        plan = tree_plan(opts, params, axes)
-        fn = functools.partial(_local_init, plan, opts)
-        return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
-                             out_specs=state_partition_specs(plan, opts.axes))(
-            placed(params, plan))
-
-    def update(grads, state, params=None):
-        _outside_shard_map(name)
-        if params is None and _needs_params(opts):
-            raise ValueError(f"{name}: update needs the params (Muon's cautious weight decay "
-                             "and AdamW's weight decay read them): call "
-                             "tx.update(grads, state, params).")
-        _check_structure(grads, params, name)
-        ref = params if params is not None else grads
-        plan = tree_plan(opts, ref, axes)
-        leaves = plan.treedef.flatten_up_to(ref)
-        _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                               [x.dtype for x in leaves], per_device=False),
-                     name)
-        specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes)
-        fn = functools.partial(_local_update, plan, opts)
-        if params is None:
-            return jax.shard_map(lambda g, s: fn(g, s, None), mesh=mesh, check_vma=False,
-                                 in_specs=(specs, sspecs), out_specs=(specs, sspecs))(
-                placed(grads, plan), placed_state(state, sspecs))
-        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs), check_vma=False,
-                             out_specs=(specs, sspecs))(
-            placed(grads, plan), placed_state(state, sspecs), placed(params, plan))
-
-    return init, update
-
-
-def _outside_shard_map(name: str) -> None:
-    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-    if manual:
-        raise ValueError(f"{name}: this transformation was built with mesh= for plain jax.jit "
-                         f"train steps, but is called inside a shard_map over {manual}; inside "
-                         "your own shard_map build it without mesh= (axis_name only).")
+    return state_partition_specs(tree_plan(opts, params, axes), opts.axes)

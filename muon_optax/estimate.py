@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 
+from muon_optax.labels import path_str
 from muon_optax.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
 from muon_optax.sharding import check_spec, normalize_spec
 
@@ -41,8 +42,6 @@ def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[Tre
     axes = ((opts.axes[0], num_devices),)
     specs = None
     if param_specs is not None:
-        from muon_optax.labels import path_str
-
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         given = param_specs(params) if callable(param_specs) else param_specs
         given = treedef.flatten_up_to(given)

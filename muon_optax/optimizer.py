@@ -12,11 +12,24 @@ from typing import Any
 import jax
 import optax
 
-from muon_optax.engine import build
+from muon_optax.engine import Init, Options, local_fns
 from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
-from muon_optax.sharding import check_owner_args
+from muon_optax.jit_mode import wrap_in_shard_map
+from muon_optax.sharding import check_owner_args, owner_axes
 
 SMALL_PARAM_THRESHOLD = 1024
+
+
+def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
+          dimension_numbers: Any = None, axis_name: Any = None,
+          mesh: jax.sharding.Mesh | None = None, param_specs: Any = None,
+          small_param_threshold: int = SMALL_PARAM_THRESHOLD,
+          name: str = "muon_adamw") -> optax.GradientTransformation:
+    """The engine as an optax transformation, for any groups (every constructor's)."""
+    opts = Options(dict(configs), param_labels, dimension_numbers, owner_axes(axis_name), mesh,
+                   param_specs, small_param_threshold, name)
+    init_fn, update_fn = wrap_in_shard_map(opts) if mesh is not None else local_fns(opts)
+    return optax.GradientTransformation(Init(init_fn, opts), update_fn)
 
 
 def muon_adamw(

@@ -29,7 +29,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax.engine import MuonAdamWState, MuonBuffers, state_partition_specs, state_shapes
+from muon_optax.engine import (
+    MuonAdamWState,
+    MuonBuffers,
+    _check_state,
+    state_partition_specs,
+    state_shapes,
+)
 from muon_optax.layout import MatrixLeaf
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import to_partition_spec, typed_spec
@@ -166,8 +172,6 @@ def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any
 
 
 def _check(plan: TreePlan, state: Any, params: Any, where: str) -> None:
-    from muon_optax.engine import _check_state
-
     leaves = plan.treedef.flatten_up_to(params)
     _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
                                            [x.dtype for x in leaves], per_device=False), where)

@@ -1,0 +1,230 @@
+"""The Muon phase of a step: every stack's owned slots, on this device.
+
+For each stack (in plan order) a device reads its owned matrices' gradients from the
+transports (:mod:`muon_optax.transport`), its momentum and NorMuon state from its flat
+state buffers, runs the rule (:mod:`muon_optax.muon`), writes the state back in place and
+hands the directions to the transports. The slots every device owns run as one batched
+program; the rest one by one under ``lax.cond``, skipped where a device owns fewer.
+Stacks run one after another (each reads the state the previous one wrote), so only one
+stack's temporaries are alive at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from muon_optax.hparams import MuonConfig
+from muon_optax.muon import (
+    MuonStackState,
+    dual_norm,
+    leaf_update,
+    momentum_buffer,
+    momentum_input,
+    normalized_direction,
+    reads_back,
+)
+from muon_optax.plan import StackPlan, TreePlan
+from muon_optax.polar import after
+from muon_optax.sharding import Collectives, varying_axes
+from muon_optax.transport import Transports
+
+
+class MuonBuffers(NamedTuple):
+    """The Muon state of the matrices of one dtype, as ``(N, L)`` arrays split over the
+    owner axes: row ``d`` is device ``d``'s share, the momenta (resp. NorMuon second
+    moments) of the matrices it owns, back to back, stack by stack."""
+
+    momentum: jax.Array
+    second_moment: jax.Array
+
+
+def _slot_hparams(sp: StackPlan, hps, comm: Collectives, j0: int, n: int) -> dict:
+    """Momentum, beta2 and orientation of slots ``j0 .. j0+n``: scalars when uniform."""
+    members = sp.stack.members
+    member_of = np.repeat(np.arange(len(members)), [m.batch for m in members])
+    slots = np.maximum(sp.slots[:, j0:j0 + n], 0)        # unowned slots: as matrix 0
+    groups = sorted({m.group for m in members})
+    out = {}
+    for key in ("momentum", "beta2"):
+        if len(groups) == 1:
+            out[key] = hps[groups[0]][key]
+        else:  # a stack shared by groups: each slot's group value
+            index = np.vectorize(lambda i: groups.index(members[member_of[i]].group))(slots)
+            table = jnp.stack([hps[g][key] for g in groups])
+            out[key] = table[jnp.asarray(comm.pick(index))][:, None, None]
+    flags = np.vectorize(lambda i: members[member_of[i]].transposed)(slots)
+    if (flags == flags.flat[0]).all():
+        out["transposed"] = bool(flags.flat[0])
+    else:
+        out["transposed"] = jnp.asarray(comm.pick(flags))
+    return out
+
+
+def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
+    """Where slot ``j`` of stack ``k`` starts in this device's momentum and second-moment
+    shares (a run of slots is one contiguous slice of each)."""
+    key = sp.state_key
+    return (comm.pick(plan.owner.momentum[key].offsets[k]) + j * sp.stack.rows * sp.stack.cols,
+            comm.pick(plan.owner.second[key].offsets[k]) + j * sp.second_size)
+
+
+def _slice(buf: jax.Array, start, size: int) -> jax.Array:
+    if isinstance(start, int):
+        return buf[:, start:start + size]
+    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=1)
+
+
+def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
+    st = sp.stack
+    momentum = _slice(bufs.momentum, at[0], n * st.rows * st.cols)
+    second = _slice(bufs.second_moment, at[1], n * sp.second_size)
+    return MuonStackState(momentum.reshape(n, st.rows, st.cols),
+                          second.reshape((n,) + sp.second_shape))
+
+
+def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) -> jax.Array:
+    """Writes ``x`` into the state buffer in place, once ``ready`` is computed.
+
+    Every read of the old values (XLA may repeat one inside several fusions) feeds
+    ``ready`` or ``x``, so waiting for ``ready`` lets XLA update the buffer without
+    copying it.
+    """
+    x = after(x, ready).reshape(1, -1).astype(buf.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=1)
+
+
+def _momentum_args(cfg: MuonConfig, count: jax.Array) -> dict[str, Any]:
+    return dict(nesterov=cfg.nesterov, count=count if cfg.bias_correction else None,
+                complement=cfg.momentum_complement())
+
+
+def _slot_direction(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
+    """One run of slots, as :func:`muon_optax.muon.muon_direction`, plus the per-matrix
+    ``<U, O>`` that ``adaptive`` sums per leaf (zeros without it)."""
+    g32, comp = g.astype(jnp.float32), cfg.momentum_complement()
+    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
+                            complement=comp)
+    stored = buf32.astype(state.momentum.dtype)
+    u = momentum_input(g32, stored if reads_back(cfg, stored.dtype) else buf32,
+                       hp["momentum"], **_momentum_args(cfg, count))
+    o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
+                                transposed=hp["transposed"], cfg=cfg, dtype=dtype)
+    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else jnp.zeros((g.shape[0], 1, 1))
+    return o, MuonStackState(stored, s), d
+
+
+def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
+    """An unowned slot: a zero direction (and ``<U, O>``), varying like computed ones,
+    the state as is."""
+    axes = tuple(sorted(varying_axes(g) | varying_axes(state.momentum)))
+
+    def varying(x):
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+    d = jnp.zeros((g.shape[0], 1, 1))
+    return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
+
+
+def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev):
+    """The ``base`` slots every device owns, as one batched program. The new momentum
+    goes into its buffer before the polar iteration starts; when ``U`` reads it back (as
+    nanochat does) it is computed straight into the buffer, with no temporary."""
+    cfg, n = sp.stack.config, sp.base
+    g, at = moves.load(k, 0, n, prev), _state_at(k, sp, plan, comm, 0)
+    state = _read_state(bufs, at, n, sp)
+    g32 = g.astype(jnp.float32)
+    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
+                            complement=cfg.momentum_complement())
+    stored = buf32.astype(state.momentum.dtype)
+    args = _momentum_args(cfg, count)
+    if reads_back(cfg, stored.dtype):
+        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored))
+        u = momentum_input(g32, _read_state(bufs, at, n, sp).momentum, hp["momentum"], **args)
+    else:
+        u = momentum_input(g32, buf32, hp["momentum"], **args)
+        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored, u))
+    o, second = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
+                                     transposed=hp["transposed"], cfg=cfg, dtype=sp.stack.dtype)
+    bufs = bufs._replace(second_moment=_write(bufs.second_moment, at[1], second, o))
+    moves.store(k, 0, o)
+    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else None
+    return bufs, o, d
+
+
+def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: MuonBuffers,
+                hps, comm: Collectives, count, prev):
+    """One stack's owned slots: the first ``base`` batched, the rest one by one, each
+    skipped (``lax.cond``) on devices that own fewer. Returns the state buffers, the
+    last direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
+    cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
+    if sp.base:
+        hp = _slot_hparams(sp, hps, comm, 0, sp.base)
+        bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev)
+        duals.append(d)
+    counts = comm.pick(sp.counts)
+    for j in range(sp.base, sp.num_slots):
+        owned = counts > j
+        at = _state_at(k, sp, plan, comm, j)
+        g, state = moves.load(k, j, 1, prev), _read_state(bufs, at, 1, sp)
+        hp = _slot_hparams(sp, hps, comm, j, 1)
+        o, state, d = jax.lax.cond(
+            owned, lambda g, s: _slot_direction(g, s, hp, cfg, count, dtype),
+            lambda g, s: _skipped(g, s, dtype, cfg.adaptive), g, state)
+        # Unchanged where not owned.
+        bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
+        moves.store(k, j, o, owned)
+        duals.append(d)
+        prev = o
+    return bufs, prev, (jnp.concatenate([d.reshape(-1) for d in duals])
+                        if cfg.adaptive else None)
+
+
+def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) -> dict:
+    """``adaptive``'s ``<U, O>`` summed over each leaf's matrices, whichever devices own
+    them: every device's slot values, all-gathered (a few numbers per device)."""
+    if not duals:
+        return {}
+    offsets, start = {}, 0
+    for k in sorted(duals):
+        offsets[k], start = start, start + plan.owner.stacks[k].num_slots
+    mine = jnp.concatenate([duals[k] for k in sorted(duals)])
+    everyone = comm.gather(mine, 0) if comm.active else mine
+    out = {}
+    for k in duals:
+        sp = plan.owner.stacks[k]
+        slot_of, first = sp.slot_of(), 0
+        for m in sp.stack.members:
+            idx = [int(sp.owners[i]) * start + offsets[k] + int(slot_of[i])
+                   for i in range(first, first + m.batch)]
+            first += m.batch
+            out[m.index] = jnp.sum(everyone[np.asarray(idx)])
+    return out
+
+
+def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, count,
+               g_leaves, p_leaves, state, updates: list) -> tuple[MuonBuffers, ...]:
+    """Muon leaves: fills ``updates``; returns the new state buffers. The collectives
+    of a channel carry every stack's matrices at once."""
+    moves = Transports(plan.owner, g_leaves, comm)
+    bufs = dict(zip(plan.state_keys, state.muon))   # each (1, L): updated in place
+    prev, duals = None, {}
+    for k, sp in enumerate(plan.owner.stacks):
+        key = sp.state_key
+        bufs[key], prev, d = _stack_step(k, sp, plan, moves, bufs[key], hps, comm, count, prev)
+        if d is not None:
+            duals[k] = d
+    local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
+    directions = moves.finish(local_shapes)
+    scales = _leaf_duals(plan, comm, duals)
+    for m in plan.muon:
+        hp, cfg = hps[m.group], configs[m.group]
+        o = directions[m.index]
+        if m.index in scales:
+            o = o.astype(jnp.float32) * scales[m.index]
+        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
+                                       rows=m.rows, cols=m.cols, cfg=cfg)
+    return tuple(bufs.values())
