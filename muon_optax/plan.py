@@ -160,10 +160,6 @@ class Channel:
     sizes: tuple[int, ...]        # per stack (0 outside the channel)
     length: int
 
-    def position(self, k: int, d: int, j: int) -> int:
-        """Flat position, in the device-major global buffer, of device d's slot j of k."""
-        return d * self.length + int(self.offsets[k, d]) + j * self.sizes[k]
-
 
 def make_channel(stacks: Sequence[StackPlan], members: Sequence[int],
                  size_of) -> Channel:

@@ -39,6 +39,7 @@ from muon_optax.engine import (
 from muon_optax.layout import MatrixLeaf
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import to_partition_spec, typed_spec
+from muon_optax.transport import member_rows
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
@@ -105,15 +106,8 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
         momentum = kind == "momentum"
         channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
         size = st.rows * st.cols if momentum else sp.second_size
-        flat = bufs[key][0 if momentum else 1].reshape(-1)
-        slot_of, start = sp.slot_of(), 0
-        for m in st.members:
-            pieces = []
-            for i in range(start, start + m.batch):
-                p = channel.position(k, int(sp.owners[i]), int(slot_of[i]))
-                pieces.append(flat[p:p + size])
-            start += m.batch
-            stored = jnp.stack(pieces)
+        buf = bufs[key][0 if momentum else 1]
+        for m, stored in zip(st.members, member_rows(buf, channel, k, sp, size)):
             if momentum:
                 out[m.index] = m.from_stored(stored.reshape(m.batch, st.rows, st.cols))
             else:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.layout import MatrixLeaf, Stack
-from muon_optax.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan, StackPlan
+from muon_optax.plan import EXCHANGE, GATHER, LOCAL, Channel, OwnerPlan, StackPlan
 from muon_optax.polar import after
 from muon_optax.sharding import Collectives
 
@@ -64,6 +64,22 @@ def _dynamic_slice(x: jax.Array, start: int | jax.Array, size: int, axis: int) -
 def _dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array,
                     axis: int) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
+
+
+def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
+                size: int) -> list[jax.Array]:
+    """Stack ``k``'s matrices from a device-major ``(N, L)`` buffer laid out as
+    ``channel``: per member, its matrices' ``size`` elements, ``(batch, size)``."""
+    slot_of, out, first = sp.slot_of(), [], 0
+    for m in sp.stack.members:
+        rows = []
+        for i in range(first, first + m.batch):
+            d = int(sp.owners[i])
+            at = int(channel.offsets[k, d]) + int(slot_of[i]) * size
+            rows.append(buf[d, at:at + size])
+        out.append(jnp.stack(rows))
+        first += m.batch
+    return out
 
 
 # ------------------------------------------------------------------ gather transport
@@ -153,18 +169,13 @@ class GatherSink:
                 for m, leaf in zip(st.members, st.unstack(full)):
                     out[m.index] = leaf
             return
-        everything = self.comm.gather(self.buffer, 0)
+        everything = self.comm.gather(self.buffer, 0).reshape(self.comm.size, -1)
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            st, slot_of = sp.stack, sp.slot_of()
-            size = st.rows * st.cols
-            start = 0
-            for m in st.members:
-                mats = [everything[p:p + size] for p in (
-                    self.channel.position(k, int(sp.owners[i]), int(slot_of[i]))
-                    for i in range(start, start + m.batch))]
-                start += m.batch
-                out[m.index] = m.from_stored(jnp.stack(mats).reshape(m.batch, st.rows, st.cols))
+            st = sp.stack
+            for m, rows in zip(st.members, member_rows(everything, self.channel, k, sp,
+                                                        st.rows * st.cols)):
+                out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
 
 
 # ------------------------------------------------------------------ exchange transport
@@ -261,16 +272,10 @@ class ExchangeSink:
         received = self.comm.exchange(self.buffer)
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            st, route, slot_of = sp.stack, sp.route, sp.slot_of()
-            start = 0
-            for m in st.members:
-                blocks = []
-                for i in range(start, start + m.batch):
-                    d = int(sp.owners[i])
-                    p = int(self.channel.offsets[k, d]) + int(slot_of[i]) * route.block_size
-                    blocks.append(received[d, p:p + route.block_size])
-                start += m.batch
-                y = jnp.stack(blocks).reshape((m.batch,) + route.block_shape)
+            route = sp.route
+            for m, rows in zip(sp.stack.members, member_rows(received, self.channel, k, sp,
+                                                              route.block_size)):
+                y = rows.reshape((m.batch,) + route.block_shape)
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
 
 

@@ -105,7 +105,7 @@ def test_channel_offsets_are_per_device_and_compact():
     assert isinstance(ch, Channel)
     assert ch.offsets.tolist() == [[0, 0, 0], [20, 10, 10]]
     assert ch.length == max(20 + 0, 10 + 3, 10 + 6)
-    assert ch.position(1, 2, 1) == 2 * ch.length + 10 + 3
+    assert ch.sizes == (10, 3) and ch.stacks == (0, 1)
 
 
 def test_estimate_errors():
