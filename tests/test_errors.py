@@ -249,6 +249,30 @@ def test_state_for_other_params():
         tx.update(other, state, other)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_state_for_bigger_params_names_the_first_mismatching_leaf(jit):
+    # Same structure and stacks, more matrices and longer vectors: once the one momentum
+    # was broadcast to all three matrices; now the shapes are compared leaf by leaf.
+    groups = {"m": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
+                        weight_decay=0.0),
+              "a": dict(kind="adamw", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)}
+    tx = muon_optax.muon_adamw(groups, muon_optax.label_by_path(matrix="m", other="a"))
+    small = {"k": jnp.zeros((1, 16, 32)), "v": jnp.zeros((64,))}
+    big = {"k": jnp.ones((3, 16, 32)), "v": jnp.ones((128,))}
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(ValueError, match=r"state leaf .mu\['v'\] has shape \(64,\).*\(128,\)"):
+        update(big, tx.init(small), big)
+    only_k = {"k": jnp.ones((3, 16, 32)), "v": jnp.ones((64,))}   # the Muon buffers differ
+    with pytest.raises(ValueError, match=r"state leaf .muon\[0\].momentum.*tx.init"):
+        update(only_k, tx.init(small), only_k)
+
+
+def test_state_of_another_optimizer_is_a_clear_error():
+    tx, other = build(), muon_optax.adamw(1e-3)
+    with pytest.raises(ValueError, match=r"state was made for other params or another optimizer"):
+        tx.update(PARAMS, other.init(PARAMS), PARAMS)
+
+
 # ----------------------------------------------------------------------------- layouts, sharding
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -291,6 +315,17 @@ def test_state_specs_with_other_axis_name():
     mesh = Mesh(jax.devices()[:1], ("data",))
     with pytest.raises(ValueError, match=r"mesh has axes \('data',\), not 'model'"):
         muon_optax.state_specs(build(axis_name="model"), PARAMS, mesh)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+def test_mesh_optimizer_inside_a_users_shard_map():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    tx = build(axis_name="data", mesh=mesh)
+    with pytest.raises(ValueError, match="inside your own shard_map build it without mesh="):
+        jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P()))(PARAMS)
 
 
 def test_orthogonalize_needs_a_matrix():
