@@ -2,7 +2,9 @@
 
 * Parameter sets ``d<width>x<layers>`` (``d256x4``, ``d512x8``): the GPT of ``examples/gpt``
   as NumPy dicts, nanochat's groups and labels, ``optax.contrib.muon`` as close to the rule
-  as it goes, the PyTorch layout for the peer.
+  as it goes (``optax_contrib_args``, also ``contrib_muon``'s), FSDP specs, the PyTorch
+  layout for the peer.
+* Balance: nanochat's block matrices at any depth, the exact whole-matrix optimum.
 * Timing: contenders interleaved in a rotating order; medians of the per-rep ratios.
 * Compiled programs: collectives from the HLO text (ring bytes per device and kind),
   ``cost_analysis`` FLOPs, ``memory_analysis`` bytes, bytes per device.
@@ -129,23 +131,35 @@ def nanochat_labels(params: Any) -> Any:
     return muon_optax.label_by_path(LABEL_RULES, matrix="unmatched", other="unmatched")(params)
 
 
-def optax_contrib_muon(params: Any) -> optax.GradientTransformation:
-    """``optax.contrib.muon`` as close to nanochat's rule as its options go.
+def optax_contrib_args(params: Any) -> dict[str, Any]:
+    """``optax.contrib.muon``'s arguments, as close to nanochat's rule as its options go.
 
     The Polar Express table as ``ns_coeffs`` (optax scans over its rows), Nesterov momentum
     0.95, lr 0.02, decoupled weight decay 0.28, Muon on the block matrices only; its AdamW
     (betas (0.8, 0.95), one lr: the embedding's) for the rest. It cannot express MuonEq,
     Muon+, NorMuon, cautious weight decay, per-group AdamW lrs or same-shape stacking.
+    ``muon_optax.contrib_muon`` takes the same arguments.
     """
     d = params["wte"]["embedding"].shape[1]
     dims = jax.tree.map(lambda label: optax.contrib.MuonDimensionNumbers(0, 1)
                         if label == "matrix" else None, nanochat_labels(params))
-    return optax.contrib.muon(
-        learning_rate=MATRIX_LR, ns_coeffs=muon_optax.POLAR_EXPRESS_COEFFS, ns_steps=5,
-        beta=0.95, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, nesterov=True,
-        adam_b1=ADAM_BETAS[0], adam_b2=ADAM_BETAS[1],
-        adam_learning_rate=EMBEDDING_LR * (d / REFERENCE_D_MODEL) ** -0.5,
-        muon_weight_dimension_numbers=dims)
+    return dict(learning_rate=MATRIX_LR, ns_coeffs=muon_optax.POLAR_EXPRESS_COEFFS, ns_steps=5,
+                beta=0.95, eps=ADAM_EPS, weight_decay=WEIGHT_DECAY, nesterov=True,
+                adam_b1=ADAM_BETAS[0], adam_b2=ADAM_BETAS[1],
+                adam_learning_rate=EMBEDDING_LR * (d / REFERENCE_D_MODEL) ** -0.5,
+                muon_weight_dimension_numbers=dims)
+
+
+def optax_contrib_muon(params: Any, **overrides: Any) -> optax.GradientTransformation:
+    """``optax.contrib.muon(**optax_contrib_args(params))``, some arguments overridden."""
+    return optax.contrib.muon(**{**optax_contrib_args(params), **overrides})
+
+
+def fsdp_spec(shape: Sequence[int], n: int, axis: str = "data") -> jax.sharding.PartitionSpec:
+    """FSDP: split along the first axis divisible by ``n``; replicated if there is none."""
+    first = next((i for i, size in enumerate(shape) if size % n == 0), None)
+    return jax.sharding.PartitionSpec(*(axis if i == first else None
+                                        for i in range(len(shape))))
 
 
 def stack_rows(tx: optax.GradientTransformation, params: Any, num_devices: int = 1,
@@ -167,6 +181,49 @@ def stack_rows(tx: optax.GradientTransformation, params: Any, num_devices: int =
 
 def tree_bytes(tree: Any) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------------------- balance
+
+def nanochat_blocks(depth: int) -> dict[str, Any]:
+    """nanochat's block matrices in Flax ``(in, out)`` layout, width 64 x depth, as
+    ``jax.ShapeDtypeStruct``s: per layer c_q, c_k, c_v, c_proj ``(w, w)``, c_fc
+    ``(w, 4w)`` and c_proj ``(4w, w)`` (embedding and head left out: AdamW's)."""
+    w = 64 * depth
+    layer = {"attn": {k: (w, w) for k in ("c_q", "c_k", "c_v", "c_proj")},
+             "mlp": {"c_fc": (w, 4 * w), "c_proj": (4 * w, w)}}
+    shapes = {"blocks": {str(i): layer for i in range(depth)}}
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def exact_optimum(k1: int, c1: int, k2: int, c2: int, n: int) -> int:
+    """Least max per-device load over all assignments of ``k1`` matrices of cost ``c1`` and
+    ``k2`` of cost ``c2`` to ``n`` devices, whole matrices only.
+
+    A binary search over the loads a device can have; a load ``M`` is feasible when some
+    split of the ``k1`` big matrices over the devices leaves room for all ``k2`` small
+    ones: a knapsack over how many big ones each device takes, the rest of ``M`` filled
+    with small ones.
+    """
+    loads = sorted({a * c1 + b * c2 for a in range(k1 + 1) for b in range(k2 + 1)})
+
+    def feasible(m):
+        smalls = [(m - a * c1) // c2 for a in range(min(k1, m // c1) + 1)]
+        best = np.full(k1 + 1, -1 << 40)    # most small ones placed, per big ones placed
+        best[0] = 0
+        for _ in range(n):
+            new = np.full(k1 + 1, -1 << 40)
+            for a, s in enumerate(smalls):
+                new[a:] = np.maximum(new[a:], best[:k1 + 1 - a] + s)
+            best = new
+        return best[k1] >= k2
+
+    lo, hi = 0, len(loads) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if feasible(loads[mid]) else (mid + 1, hi)
+    return loads[lo]
 
 
 # ----------------------------------------------------------------------------- timing

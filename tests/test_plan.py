@@ -4,52 +4,23 @@ No devices needed: plans for up to 256 devices are static (muon_optax.estimate).
 """
 
 import math
+import sys
+from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import muon_optax
 from muon_optax.plan import Channel, assign_owners, make_channel, slots_from_owners
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from benchmarks.common import exact_optimum, nanochat_blocks  # noqa: E402  (one copy)
+
 GROUPS = {"matrix": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
                          weight_decay=0.2)}
-
-
-def nanochat_blocks(depth):
-    """nanochat's block matrices in Flax (in, out) layout: width 64 x depth."""
-    w = 64 * depth
-    layer = {"attn": {k: (w, w) for k in ("c_q", "c_k", "c_v", "c_proj")},
-             "mlp": {"c_fc": (w, 4 * w), "c_proj": (4 * w, w)}}
-    shapes = {"blocks": {str(i): layer for i in range(depth)}}
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
-                        is_leaf=lambda x: isinstance(x, tuple))
-
-
-def exact_optimum(k1, c1, k2, c2, n):
-    """Least max per-device load over all assignments of k1 matrices of cost c1 and k2
-    of cost c2 to n devices, whole matrices only (binary search over the loads; the
-    feasibility of a load M is a knapsack over how many big matrices each device
-    takes, the rest of M filled with small ones)."""
-    loads = sorted({a * c1 + b * c2 for a in range(k1 + 1) for b in range(k2 + 1)})
-
-    def feasible(m):
-        smalls = [(m - a * c1) // c2 for a in range(min(k1, m // c1) + 1)]
-        best = np.full(k1 + 1, -1 << 40)
-        best[0] = 0
-        for _ in range(n):
-            new = np.full(k1 + 1, -1 << 40)
-            for a, s in enumerate(smalls):
-                new[a:] = np.maximum(new[a:], best[:k1 + 1 - a] + s)
-            best = new
-        return best[k1] >= k2
-
-    lo, hi = 0, len(loads) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if feasible(loads[mid]) else (mid + 1, hi)
-    return loads[lo]
 
 
 @pytest.mark.parametrize("depth", [12, 20, 26, 32])
