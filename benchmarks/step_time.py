@@ -6,6 +6,9 @@ Contenders, in one process, on the same shapes and numbers (``--contenders``):
                      (the default polar_method="auto")
   muon_optax_direct  the same with polar_method="direct" (every polar step on X)
   optax_contrib      optax.contrib.muon, Polar Express coefficients, same jit
+  contrib_muon       muon_optax.contrib_muon with exactly optax_contrib's arguments (the
+                     same rule on muon_optax's engine: same-shape stacking); target: median
+                     per-rep ratio to optax_contrib <= 1.0
   torch              the PyTorch peer TorchMuonAdamW (torch.compile'd; eager in --quick),
                      PyTorch layout; skipped with a note if torch or the peer is missing
   matmul, matmul_2d  roofline reference: only the polar matmuls (Gram, A @ A, B @ X, 5
@@ -15,7 +18,8 @@ Contenders, in one process, on the same shapes and numbers (``--contenders``):
 After compiling, each of --reps rounds times every contender once, in an order rotated by
 one per round. Printed: median step times, medians of per-rep ratios, a roofline (floor =
 executed polar FLOPs / the better matmul rate + bytes moved / bandwidth, both measured in
-this run; "of floor" = floor / median), and the compiled steps' memory.
+this run; "of floor" = floor / median), and the compiled steps' memory. Before timing, one
+step of muon_optax is compared with the peer's, and one of contrib_muon with optax_contrib's.
 
   PYTHONPATH=. python benchmarks/step_time.py                          # d256x4, vocab 4096
   PYTHONPATH=. python benchmarks/step_time.py --set d512x8 --reps 10
@@ -52,7 +56,9 @@ OURS = ("muon_optax", "muon_optax_direct")
 MATMULS = ("matmul", "matmul_2d")
 PRESETS = {"cpu": ("d256x4", 4096, "float32"), "gpu": ("d768x12", 32768, "bfloat16")}
 RATIOS = [(a, b) for a in OURS for b in ("torch", "optax_contrib")] + [
-    ("muon_optax", "matmul_2d"), ("muon_optax", "muon_optax_direct"), ("matmul", "matmul_2d")]
+    ("muon_optax", "matmul_2d"), ("muon_optax", "muon_optax_direct"), ("matmul", "matmul_2d"),
+    ("contrib_muon", "optax_contrib")]
+TARGETS = {"contrib_muon/optax_contrib": 1.0}   # median per-rep ratio at most
 
 
 @dataclasses.dataclass
@@ -84,8 +90,9 @@ def parse_args(argv=None):
     ap.add_argument("--compute-dtype", help="polar iteration dtype (default float32; gpu bf16)")
     ap.add_argument("--reps", type=int, default=30, help="timed rounds (default 30)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds (default 3)")
-    ap.add_argument("--contenders", default="muon_optax,muon_optax_direct,optax_contrib,torch,"
-                    "matmul,matmul_2d,stream", help="comma-separated subset (default: all)")
+    ap.add_argument("--contenders", default="muon_optax,muon_optax_direct,optax_contrib,"
+                    "contrib_muon,torch,matmul,matmul_2d,stream",
+                    help="comma-separated subset (default: all)")
     ap.add_argument("--stream-mib", type=int, default=64, help="MiB per 'stream' array (64)")
     ap.add_argument("--peer-dir", default=str(DEFAULT_PEER_DIR),
                     help="folder of torch_muon_adamw.py (default: the first of shared/peers, "
@@ -227,6 +234,8 @@ FACTORIES: dict[str, Callable[[Setup], Contender]] = {
     "muon_optax_direct": lambda s: muon_optax_contender(s, "direct"),
     "optax_contrib": lambda s: jax_step(common.optax_contrib_muon(s.params), s,
                                         sum(r["direct"] for r in s.stacks)),
+    "contrib_muon": lambda s: jax_step(muon_optax.contrib_muon(**common.optax_contrib_args(
+        s.params)), s, sum(r["direct"] for r in s.stacks)),
     "torch": torch_contender,
     "matmul": lambda s: matmul_contender(s, batched=True),
     "matmul_2d": lambda s: matmul_contender(s, batched=False),
@@ -251,23 +260,28 @@ def build(s: Setup) -> dict[str, Contender]:
     return out
 
 
+def _step_difference(after: list[np.ndarray], reference: list[np.ndarray],
+                     before: list[np.ndarray]) -> dict[str, Any]:
+    """Max relative difference of the parameter change, and the elements off by more than
+    1e-3 of the reference's largest change."""
+    rel, off = 0.0, 0
+    for a, b, p0 in zip(after, reference, before):
+        change = np.abs(b - p0)
+        rel = max(rel, float(np.linalg.norm(a - b) / max(np.linalg.norm(b - p0), 1e-30)))
+        off += int((np.abs(a - b) > 1e-3 * change.max()).sum())
+    return dict(max_rel=rel, off=off)
+
+
 def first_step_check(contenders: dict[str, Contender], params: Any) -> dict[str, Any]:
-    """One step of muon_optax from the peer's start: max relative difference of the
-    parameter change, and the elements off by more than 1e-3 of the largest change."""
-    if "torch" not in contenders:
-        return {}
+    """One step from the same start: muon_optax against the peer (which stepped once while
+    compiling), contrib_muon against optax_contrib (neither has stepped yet)."""
     before = [np.asarray(x, np.float32) for x in jax.tree.leaves(params)]
-    peer = contenders["torch"].params()  # it stepped once while compiling
-    checks = {}
-    for name in (n for n in OURS if n in contenders):
+    pairs = [(n, "torch") for n in OURS] + [("contrib_muon", "optax_contrib")]
+    pairs = [(a, b) for a, b in pairs if a in contenders and b in contenders]
+    for name in sorted({x for pair in pairs for x in pair} - {"torch"}):
         contenders[name].call()
-        rel, off = 0.0, 0
-        for a, b, p0 in zip(contenders[name].params(), peer, before):
-            change = np.abs(b - p0)
-            rel = max(rel, float(np.linalg.norm(a - b) / max(np.linalg.norm(b - p0), 1e-30)))
-            off += int((np.abs(a - b) > 1e-3 * change.max()).sum())
-        checks[name] = dict(max_rel=rel, off=off)
-    return checks
+    return {f"{a} vs {b}": _step_difference(contenders[a].params(), contenders[b].params(),
+                                            before) for a, b in pairs}
 
 
 def summarize(s: Setup, contenders: dict[str, Contender], times: dict[str, list[float]]):
@@ -317,10 +331,16 @@ def print_report(s: Setup, contenders, rows, ratios, rates, checks) -> None:
                      fmt(c.memory["alias"] / MB), fmt((common.tree_bytes(s.params)
                                                        + c.state_bytes) / MB))
                     for n, c in mem.items()], "lrrrr"))
+    for key, target in TARGETS.items():
+        if key in ratios:
+            ok = ratios[key]["median"] <= target
+            print(f"\nTarget {key}: median per-rep ratio {ratios[key]['median']:.3f} <= "
+                  f"{target} ({'pass' if ok else 'FAIL'})")
     for name, c in checks.items():
-        print(f"\nFirst step, {name} vs torch peer: max relative difference of the parameter "
-              f"change {c['max_rel']:.1e}; {c['off']} element(s) off by > 1e-3 x the largest "
-              "change (cautious weight-decay mask flips where O * P ~ 0)")
+        print(f"\nFirst step, {name}: max relative difference of the parameter change "
+              f"{c['max_rel']:.1e}; {c['off']} element(s) off by > 1e-3 x the largest change"
+              + (" (cautious weight-decay mask flips where O * P ~ 0)" if "torch" in name
+                 else ""))
 
 
 def main(argv=None) -> dict[str, Any]:

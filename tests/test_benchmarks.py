@@ -1,5 +1,6 @@
 """The benchmarks' shared helpers, and that each kept benchmark script runs (--quick)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -74,7 +76,56 @@ def test_nanochat_params_shapes_and_stack_flops():
     assert square["flops"] == square["direct"] == 8 * 5 * (4 * 64**3 + 2 * 64**3)
 
 
+def test_fsdp_spec_splits_the_first_divisible_axis():
+    assert common.fsdp_spec((4096, 64), 8) == P("data", None)
+    assert common.fsdp_spec((3, 16), 8) == P(None, "data")
+    assert common.fsdp_spec((4,), 8) == P(None)
+
+
+def test_exact_optimum_against_brute_force():
+    import itertools
+    for k1, c1, k2, c2, n in [(3, 5, 4, 2, 2), (2, 7, 5, 3, 3), (4, 4, 1, 1, 3)]:
+        costs = [c1] * k1 + [c2] * k2
+        brute = min(max(sum(c for c, d in zip(costs, owners) if d == dev) for dev in range(n))
+                    for owners in itertools.product(range(n), repeat=len(costs)))
+        assert common.exact_optimum(k1, c1, k2, c2, n) == brute
+
+
+def test_balance_rows_match_the_known_cases():
+    from benchmarks import sharded
+    d12 = sharded.balance(12, 8)
+    # nanochat d12 on 8 devices: 6 small + 2 + 2 big slots per device, 1.22x the state
+    # optimum (design notes); per-stack padding is even there.
+    assert d12["state_nanochat"] == pytest.approx(22 / 18)
+    assert d12["flops_per_stack"] == d12["state_per_stack"] == 1.0
+    d20 = sharded.balance(20, 64)
+    assert d20["state_per_stack"] == pytest.approx(1.5)   # issue 14's worst case
+    assert max(d20["flops_ours"], d20["state_ours"]) <= 1.05
+
+
 SCRIPTS = ("step_time.py", "sharded.py")
+
+
+def _check_results(tmp_path):
+    """What the --quick runs must have measured: every contender, the estimate's state
+    bytes equal to the compiled ones, contrib_muon's first step equal to optax's."""
+    with open(tmp_path / "sharded.py") as f:
+        sharded = json.load(f)
+    (costs,) = sharded["costs"]
+    assert set(costs["rows"]) == {"optax_contrib_fsdp", "muon_optax_fsdp", "contrib_muon_fsdp",
+                                  "muon_optax", "muon_optax_jit"}
+    assert all(r["finite"] and r["median_s"] > 0 for r in costs["rows"].values())
+    assert set(costs["estimate"]) == set(costs["rows"]) - {"optax_contrib_fsdp"}
+    for name, est in costs["estimate"].items():
+        assert est["state"] == costs["rows"][name]["state"], name
+    assert costs["rows"]["muon_optax_fsdp"]["collectives"].keys() == {"all-to-all"}
+    assert "all-reduce" not in costs["rows"]["muon_optax"]["collectives"] or (
+        costs["rows"]["muon_optax"]["collectives"]["all-reduce"]["bytes"] < 2**16)
+    assert [r["model"] for r in sharded["balance"]] == ["d12", "d20"]
+    with open(tmp_path / "step_time.py") as f:
+        step = json.load(f)
+    assert "contrib_muon/optax_contrib" in step["ratios"]
+    assert step["checks"]["contrib_muon vs optax_contrib"]["max_rel"] < 1e-4
 
 
 def test_each_script_quick_mode_runs(tmp_path):
@@ -86,10 +137,11 @@ def test_each_script_quick_mode_runs(tmp_path):
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for script in SCRIPTS}
     try:
-        outputs = {script: run.communicate(timeout=240) for script, run in runs.items()}
+        outputs = {script: run.communicate(timeout=300) for script, run in runs.items()}
     finally:
         for run in runs.values():
             run.kill()
     for script, (stdout, stderr) in outputs.items():
         assert runs[script].returncode == 0, f"{script}:\n{stderr[-3000:]}"
         assert "|---" in stdout and (tmp_path / script).exists(), script
+    _check_results(tmp_path)
