@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The single-device benchmark on a GPU, as one prepared call on a lent device machine:
-# step_time.py's GPU preset (d768x12, vocab 32768, bf16 polar iteration) beside the torch peer.
+# step_time.py's GPU preset (d768x12, vocab 32768, bf16 polar iteration) beside the torch peer,
+# and contrib_muon beside optax.contrib.muon with the same arguments (its ratio and target,
+# and their first steps compared).
 #
 # The peer lives beside the checkout (../shared/peers), which does not travel to the device,
 # so copy it into the git-ignored .device/ first and carry that folder:

@@ -8,8 +8,8 @@ nanochat-like set of ``--sets``, every contender compiled and run side by side:
                       first axis divisible by N, replicated otherwise); GSPMD partitions
                       its Newton-Schulz matmuls. The baseline of every ratio.
   muon_optax_fsdp     muon_adamw(axis_name="data", mesh=mesh, param_specs=FSDP specs), fed
-                      the same FSDP params and grads: matrices to their owners and back by
-                      all-to-all.
+                      the same FSDP params and grads (state as muon_optax.state_specs lays
+                      it out): matrices to their owners and back by all-to-all.
   contrib_muon_fsdp   muon_optax.contrib_muon with exactly optax_contrib_fsdp's arguments
                       (and mesh=, param_specs=), same shardings.
   muon_optax          ZeRO-2 inside shard_map, the WHOLE train step: a stand-in model's loss
@@ -51,9 +51,9 @@ exact whole-matrix optimum (``common.exact_optimum``), for muon_optax's owner pl
 stack padding (each device ``ceil(K/N)`` slots of every stack) and nanochat's per-group
 chunks (a group per PyTorch shape, chunks of ``ceil(K/N)``).
 
-  PYTHONPATH=. python benchmarks/sharded.py                   # d256x4 and d512x8, vocab 4096
-  PYTHONPATH=. python benchmarks/sharded.py --only balance    # the balance tables (seconds)
-  PYTHONPATH=. python benchmarks/sharded.py --quick           # d64x2, vocab 256, 2 reps
+  PYTHONPATH=. python benchmarks/sharded.py                   # d256x4, d512x8: 15-20 min on 2 cores
+  PYTHONPATH=. python benchmarks/sharded.py --only balance    # the balance tables (15 s)
+  PYTHONPATH=. python benchmarks/sharded.py --quick           # d64x2, vocab 256, 2 reps (1 min)
 """
 
 from __future__ import annotations
@@ -120,13 +120,17 @@ def _optimizer_step(tx):
 
 
 def _fsdp_case(m: Problem, tx, twin_tx=None) -> Case:
-    """An optimizer step under plain jit on FSDP params, grads and state."""
+    """An optimizer step under plain jit on FSDP params and grads; the state split like
+    the params (optax's) or as muon_optax.state_specs says (ours)."""
     params, grads = _place(m.params, m.specs, m.mesh), _place(m.grads, m.specs, m.mesh)
 
     def build(tx):
-        shapes = jax.eval_shape(tx.init, params)
-        state_shardings = jax.tree.map(lambda s: NamedSharding(m.mesh, common.fsdp_spec(
-            s.shape, m.mesh.size)), shapes)
+        if hasattr(tx.init, "state_specs"):    # muon_optax's own layout of its state
+            specs = muon_optax.state_specs(tx, m.params, m.mesh)
+        else:
+            specs = jax.tree.map(lambda s: common.fsdp_spec(s.shape, m.mesh.size),
+                                 jax.eval_shape(tx.init, params))
+        state_shardings = jax.tree.map(lambda s: NamedSharding(m.mesh, s), specs)
         state = jax.jit(tx.init, out_shardings=state_shardings)(params)
         outs = (jax.tree.map(lambda s: NamedSharding(m.mesh, s), m.specs), state_shardings)
         return jax.jit(_optimizer_step(tx), out_shardings=outs), (params, state, grads)
@@ -350,7 +354,7 @@ def print_costs(name: str, rows: dict[str, Any], est: dict[str, Any], model: int
         print("\nmuon_optax.estimate beside the measured numbers (estimate: the optimizer "
               "alone; a train step's model adds FLOPs, and under jit XLA's all-reduce).\n")
         print(md_table(["contender", "state MiB", "estimate", "equal", "ring MiB", "estimate",
-                        "GFLOP", "estimate", "busiest Muon GFLOP (plan)"],
+                        "GFLOP", "estimate", "busiest Muon GFLOP (plan, direct form)"],
                        [[n, fmt(rows[n]["state"] / MB, ".4f"), fmt(e["state"] / MB, ".4f"),
                          "yes" if e["state"] == rows[n]["state"] else "NO",
                          fmt(rows[n]["ring"] / MB), fmt(e["ring"] / MB),
