@@ -99,9 +99,27 @@ class StackPlan:
 
     stack: Stack
     transport: str
-    route: Route | None
+    routes: tuple[Route | None, ...]   # per member (``"exchange"`` only)
     owners: np.ndarray            # (K,)
     slots: np.ndarray             # (N, S)
+
+    @property
+    def route(self) -> Route | None:
+        """The first member's route: every member's pieces and blocks have its sizes."""
+        return self.routes[0]
+
+    def variants(self) -> tuple[list[int], np.ndarray]:
+        """For an ``"exchange"`` stack whose members are split differently (an MLP's
+        ``c_fc`` on its rows, ``c_proj`` on its columns): one representative member per
+        distinct (route, matrix layout), and each slot's variant, ``(N, S)``."""
+        keys = [(r, tuple(m.shape[a] for a in m.matrix_axes), m.sides)
+                for r, m in zip(self.routes, self.stack.members)]
+        first = {key: i for i, key in reversed(list(enumerate(keys)))}
+        reps = sorted(set(first.values()))
+        variant_of_member = [reps.index(first[key]) for key in keys]
+        member_of = np.repeat(np.arange(len(keys)), [m.batch for m in self.stack.members])
+        table = np.asarray(variant_of_member)[member_of[np.maximum(self.slots, 0)]]
+        return reps, table
 
     @property
     def counts(self) -> np.ndarray:
@@ -386,10 +404,12 @@ def _channels(stacks: tuple[StackPlan, ...], kind: str, size_of) -> dict[Any, Ch
     return {dt: make_channel(stacks, ks, size_of) for dt, ks in by_dtype.items()}
 
 
-def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[tuple[str, Route | None]],
+def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
+                    routes: Sequence[Sequence[Route | None]],
                     holders: Sequence[np.ndarray | None], num_devices: int,
                     local_held: Sequence[list[list[tuple[int, int]]] | None]) -> OwnerPlan:
-    """Assigns owners across all stacks and lays out every channel.
+    """Assigns owners across all stacks and lays out every channel. ``routes[k]`` gives
+    each member of stack ``k`` its route (``"exchange"`` stacks).
 
     ``holders[k]`` pins a ``"local"`` stack's matrices to the devices that hold them;
     ``local_held[k][d]`` lists device ``d``'s (member, batch index) pairs of that stack.
@@ -408,12 +428,12 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[tuple[str, Rou
     for (k, i), d in zip(where, owners):
         per_stack[k][i] = d
     plans = []
-    for k, (stack, (kind, route)) in enumerate(zip(stacks, transports)):
+    for k, (stack, kind) in enumerate(zip(stacks, transports)):
         if kind == LOCAL:
             slots = _local_slots(stack, local_held[k], num_devices)
         else:
             slots = slots_from_owners(per_stack[k], num_devices)
-        plans.append(StackPlan(stack, kind, route, per_stack[k], slots))
+        plans.append(StackPlan(stack, kind, tuple(routes[k]), per_stack[k], slots))
     plans = tuple(plans)
     local = {k: local_held[k] for k, sp in enumerate(plans) if sp.transport == LOCAL}
     return OwnerPlan(
@@ -489,10 +509,11 @@ class TreePlan:
 
 
 def _signature(leaf: MatrixLeaf, transport: str, route: Route | None) -> tuple:
+    """What else matrices must share to be batched: the transport, and for an exchange
+    the sizes of its pieces and blocks (layouts may differ: see ``StackPlan.variants``)."""
     if transport != EXCHANGE:
         return (transport,)
-    mshape = tuple(leaf.shape[a] for a in leaf.matrix_axes)
-    return (transport, route, mshape, leaf.sides)
+    return (transport, route.piece, route.block_size, route.replicas * route.piece)
 
 
 def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
@@ -541,8 +562,9 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
         holders.append(np.concatenate([h for h, _ in hold]))
         held.append([[(i, b) for i, (_, per_device) in enumerate(hold) for b in per_device[d]]
                      for d in range(n)])
-    owner = make_owner_plan(stacks, [kinds[st.members[0].index] for st in stacks], holders,
-                            n, held)
+    owner = make_owner_plan(stacks, [kinds[st.members[0].index][0] for st in stacks],
+                            [[kinds[m.index][1] for m in st.members] for st in stacks],
+                            holders, n, held)
     return TreePlan(treedef, paths, tuple(specs), tuple(axes), tuple(adamw_leaves),
                     tuple(matrices), owner)
 

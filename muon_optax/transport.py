@@ -199,6 +199,22 @@ def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
     return jnp.transpose(x, perm).reshape(n, math.prod(g), route.block_size)
 
 
+def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
+    """``fn(member)`` for slots ``j0 .. j0+n`` along ``axis``, where members of the stack
+    are laid out differently: each layout's result, picked per slot (the device's own
+    table row). One layout: just its result."""
+    reps, table = sp.variants()
+    if len(reps) == 1:
+        return fn(reps[0])
+    mine = jnp.asarray(comm.pick(table))[j0:j0 + n]
+    shape = [1] * (axis + 1)
+    shape[axis] = n
+    out = fn(reps[0])
+    for v, i in enumerate(reps[1:], start=1):
+        out = jnp.where((mine == v).reshape(shape + [1] * (out.ndim - axis - 1)), fn(i), out)
+    return out
+
+
 class ExchangeSource:
     """Owned matrices of the ``"exchange"`` stacks of one dtype, by one all-to-all.
 
@@ -226,8 +242,8 @@ class ExchangeSource:
 
     def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> jax.Array:
         """``(K, piece)``: this device's sub-piece of every matrix of the stack."""
-        route, out = sp.route, []
-        for m in sp.stack.members:
+        out = []
+        for m, route in zip(sp.stack.members, sp.routes):
             blocks = m.split_batch(leaves[m.index]).reshape(m.batch, route.block_size)
             padded = route.replicas * route.piece
             if padded > route.block_size:
@@ -240,13 +256,18 @@ class ExchangeSource:
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
         del prev
         sp = self.owner.stacks[k]
-        route, member = sp.route, sp.stack.members[0]
-        start = self.comm.pick(self.channel.offsets[k]) + j0 * route.piece
-        x = _dynamic_slice(self.received, start, n * route.piece, 1)
-        x = _take(x.reshape(self.comm.size, n, route.piece), route.source_order)
-        x = jnp.transpose(x, (1, 0, 2)).reshape(n, math.prod(route.grid), -1)
-        x = x[:, :, :route.block_size]
-        return member.matrix_to_stored(_grid_to_matrix(route, x))
+        piece = sp.route.piece
+        start = self.comm.pick(self.channel.offsets[k]) + j0 * piece
+        raw = _dynamic_slice(self.received, start, n * piece, 1).reshape(self.comm.size, n,
+                                                                         piece)
+
+        def assemble(i):  # the matrices as member i's layout puts them together
+            route, member = sp.routes[i], sp.stack.members[i]
+            x = jnp.transpose(_take(raw, route.source_order), (1, 0, 2))
+            x = x.reshape(n, math.prod(route.grid), -1)[:, :, :route.block_size]
+            return member.matrix_to_stored(_grid_to_matrix(route, x))
+
+        return _by_variant(sp, self.comm, j0, n, assemble, axis=0)
 
 
 class ExchangeSink:
@@ -259,11 +280,15 @@ class ExchangeSink:
 
     def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
         sp = self.owner.stacks[k]
-        route, member = sp.route, sp.stack.members[0]
-        blocks = _matrix_to_grid(route, member.stored_to_matrix(o))
-        blocks = _take(blocks, np.asarray(route.block_of), axis=1)   # (n, N, block)
-        rows = jnp.transpose(blocks, (1, 0, 2)).reshape(self.comm.size, -1)
-        start = self.comm.pick(self.channel.offsets[k]) + j0 * route.block_size
+        n = o.shape[0]
+
+        def split(i):  # (N, n, block): each holder's block, as member i's layout splits
+            route, member = sp.routes[i], sp.stack.members[i]
+            blocks = _matrix_to_grid(route, member.stored_to_matrix(o))
+            return jnp.transpose(_take(blocks, np.asarray(route.block_of), axis=1), (1, 0, 2))
+
+        rows = _by_variant(sp, self.comm, j0, n, split, axis=1).reshape(self.comm.size, -1)
+        start = self.comm.pick(self.channel.offsets[k]) + j0 * sp.route.block_size
         if owned is not None:
             rows = jnp.where(owned, rows, _dynamic_slice(self.buffer, start, rows.shape[1], 1))
         self.buffer = _dynamic_update(self.buffer, rows, start, 1)
@@ -272,10 +297,9 @@ class ExchangeSink:
         received = self.comm.exchange(self.buffer)
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            route = sp.route
-            for m, rows in zip(sp.stack.members, member_rows(received, self.channel, k, sp,
-                                                              route.block_size)):
-                y = rows.reshape((m.batch,) + route.block_shape)
+            rows = member_rows(received, self.channel, k, sp, sp.route.block_size)
+            for m, route, r in zip(sp.stack.members, sp.routes, rows):
+                y = r.reshape((m.batch,) + route.block_shape)
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
 
 
