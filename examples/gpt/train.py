@@ -491,7 +491,7 @@ def _check_fits(ctx: Context) -> None:
         raise UsageError(
             f"the model does not fit: {_count_params(ctx.abstract_params):,} params need about "
             f"{memory.fmt(ctx.estimate.total)} per device for params, grads and optimizer state "
-            f"alone, but {what}; lower --depth")
+            f"alone, but {what}; lower --depth{_or_fsdp(ctx)}")
 
 
 def _out_of_memory_message(ctx: Context) -> str:
@@ -502,7 +502,13 @@ def _out_of_memory_message(ctx: Context) -> str:
             f"params (about {memory.fmt(ctx.estimate.total)} per device for params, grads and "
             f"optimizer state) and the activations of {a.batch_size // ctx.num_devices} x "
             f"{a.seq_len} tokens per device do not fit; lower --batch-size, --seq-len or "
-            f"--depth, or use --dtype bfloat16")
+            f"--depth, or use --dtype bfloat16{_or_fsdp(ctx)}")
+
+
+def _or_fsdp(ctx: Context) -> str:
+    """The advice to shard the params too, where it would help."""
+    return "" if ctx.place.fsdp or ctx.num_devices == 1 else (
+        f", or split params, grads and state over the {ctx.num_devices} devices with --fsdp")
 
 
 def _prepare_out(ctx: Context) -> None:
