@@ -3,9 +3,12 @@
 ``train.main(argv)`` runs in this process: conftest.py has already asked XLA for 8 CPU
 devices, of which ``--devices 2`` takes two. Every run trains depth 1 (width 64), batches
 of 4 x 32 bytes, 12 steps, on a ~40 KB corpus file written to a temporary directory.
+The uninterrupted single-device run (``baseline``) keeps checkpoints of steps 4, 8 and
+12, from which the cross-device resume test continues.
 """
 
 import json
+import shutil
 import signal
 import sys
 import threading
@@ -19,10 +22,13 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt"
-if str(EXAMPLE) not in sys.path:
-    sys.path.insert(0, str(EXAMPLE))
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "gpt"
+for path in (EXAMPLE, REPO):  # the example's modules; benchmarks.common (HLO parser)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
+import parallel  # noqa: E402
 import train  # noqa: E402
 
 STEPS = 12
@@ -60,7 +66,7 @@ def baseline(tmp_path_factory, corpus):
     (out / "adamw" / "ckpt" / "7").mkdir(parents=True)
     (out / "adamw" / "log.jsonl").write_text("{}\n")
     (out / "ckpt" / "9").mkdir(parents=True)
-    assert run(out, corpus) == 0
+    assert run(out, corpus, "--ckpt-every", "4", "--keep-ckpts", "5") == 0
     return out, read_log(out)
 
 
@@ -78,7 +84,7 @@ def test_tiny_run_trains_and_writes_its_files(baseline):
     assert all(np.isfinite(losses))
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "ckpt" / str(STEPS)).is_dir()                      # the final checkpoint
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [str(STEPS)]
+    assert sorted(int(p.name) for p in (out / "ckpt").iterdir()) == [4, 8, STEPS]
     assert not (out / "adamw").exists()                              # the earlier run's
     config = json.loads((out / "config.json").read_text())
     assert config["steps"] == STEPS and config["status"] == "finished"
@@ -136,6 +142,120 @@ def test_two_devices_match_one_and_compare_adamw(baseline, corpus, tmp_path, cap
     assert adamw[-1]["val_loss"] < adamw[0]["val_loss"]
 
 
+def test_fsdp_follows_one_device_and_compare_adamw(baseline, corpus, tmp_path, capsys):
+    assert run(tmp_path, corpus, "--devices", "4", "--fsdp", "--compare", "adamw") == 0
+    out = capsys.readouterr().out
+    assert "FSDP: params, grads and MuonAdamW state sharded" in out
+    # Per device a quarter of the params and grads (the two 1-element lambdas whole).
+    assert "params 81.9 kB + grads 81.9 kB" in out
+    one, fsdp = baseline[1], read_log(tmp_path)
+    assert fsdp[0]["val_loss"] == pytest.approx(one[0]["val_loss"], rel=1e-6)  # the same init
+    assert [r["step"] for r in fsdp] == [r["step"] for r in one]
+    # The same global batch: the same curve up to rounding (measured: 8e-5 at most).
+    np.testing.assert_allclose([r["loss"] for r in fsdp[1:]], [r["loss"] for r in one[1:]],
+                               rtol=1e-3)
+    np.testing.assert_allclose([r["val_loss"] for r in fsdp if "val_loss" in r],
+                               [r["val_loss"] for r in one if "val_loss" in r], rtol=1e-3)
+    adamw = read_log(tmp_path / "adamw")
+    assert adamw[0]["val_loss"] == fsdp[0]["val_loss"]
+    assert adamw[-1]["val_loss"] < adamw[0]["val_loss"] - 1.0
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["mode"] == "FSDP" and config["devices"] == 4 and config["fsdp"]
+
+
+def _keep_checkpoints_up_to(out, step):
+    for ckpt in (Path(out) / "ckpt").iterdir():
+        if int(ckpt.name) > step:
+            shutil.rmtree(ckpt)
+
+
+def test_resume_moves_between_device_counts_and_modes(baseline, corpus, tmp_path, capsys):
+    """1 device -> FSDP on 2 -> ZeRO-2 on 4, through the portable checkpoints, follows
+    the uninterrupted single-device run; and an FSDP checkpoint resumed in FSDP on as
+    many devices repeats that run bit for bit."""
+    out = tmp_path / "out"
+    shutil.copytree(baseline[0], out)
+    _keep_checkpoints_up_to(out, 4)
+    every = ("--ckpt-every", "4")
+    assert run(out, corpus, "--resume", "--devices", "2", "--fsdp", *every) == 0
+    assert ("(step 4; written on 1 device (one device), continued on 2 devices (FSDP))"
+            in capsys.readouterr().out)
+    fsdp = read_log(out)
+
+    _keep_checkpoints_up_to(out, 8)                                     # FSDP's step 8
+    assert run(out, corpus, "--resume", "--devices", "2", "--fsdp", *every) == 0
+    assert "(step 8)" in capsys.readouterr().out                       # the same mode
+    assert math_of(read_log(out)) == math_of(fsdp)                      # bitwise
+
+    _keep_checkpoints_up_to(out, 8)
+    assert run(out, corpus, "--resume", "--devices", "4") == 0
+    assert ("(step 8; written on 2 devices (FSDP), continued on 4 devices (ZeRO-2))"
+            in capsys.readouterr().out)
+    hopped, one = read_log(out), baseline[1]
+    assert [r["step"] for r in hopped] == list(range(STEPS + 1))
+    assert math_of(hopped[:5]) == math_of(one[:5])                     # from the checkpoint
+    # Continued in other modes: rounding only (measured: 1e-7).
+    np.testing.assert_allclose([r["loss"] for r in hopped[5:]], [r["loss"] for r in one[5:]],
+                               rtol=1e-5)
+    np.testing.assert_allclose(hopped[-1]["val_loss"], one[-1]["val_loss"], rtol=1e-5)
+
+    # Other settings are still refused, with any device count and mode.
+    assert run(out, corpus, "--resume", "--fsdp", "--devices", "2",
+               "--matrix-lr", "0.03") == train.EXIT_USAGE
+    assert "matrix_lr=0.02 (now 0.03)" in capsys.readouterr().err
+
+
+def test_fsdp_train_step_splits_everything_and_moves_muon_by_all_to_all(corpus, tmp_path):
+    """The compiled --fsdp --devices 4 step: each device holds a quarter of the params
+    and about a quarter of the optimizer state (as muon_optax.estimate says); the
+    forward pass all-gathers each split param once, and the optimizer's only traffic is
+    two all-to-alls (Muon matrices to their owners and back), no all-gather."""
+    import jax
+
+    from benchmarks.common import collectives, per_device_bytes
+
+    n = 4
+    args = train.build_parser().parse_args(
+        [*TINY, "--data", str(corpus), "--out", str(tmp_path), "--devices", str(n), "--fsdp"])
+    ctx = train._setup(args, train._load_data(args), [])
+    tx, sharded = train._make_tx(ctx, "muon", ctx.abstract_params)
+    steps = train._build_steps(ctx, tx, sharded)
+    params = ctx.init_params()
+    state = steps.init(params)
+    leaves = jax.tree.leaves(params)
+    split = [x for x in leaves if x.ndim >= 2]
+    small = sum(x.nbytes for x in leaves if x.ndim < 2)               # the lambdas: whole
+    assert per_device_bytes(params, ctx.devices) == [sum(x.nbytes for x in split) // n
+                                                     + small] * n
+    one = single_device_state_bytes(ctx)
+    held = per_device_bytes(state, ctx.devices)
+    assert held == [ctx.estimate.state["muon"]] * n
+    # Whole matrices have owners: at most a quarter plus one (64, 256) matrix's state.
+    assert held[0] <= one / n + 64 * 256 * 4 + 256 * 4, (held, one)
+
+    x, y = ctx.dataset.batch(0)
+    compiled = steps.train.lower(params, state, ctx.place.batch(x), ctx.place.batch(y)).compile(
+        {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+    ops = collectives(compiled.as_text(), n)
+    assert ops["all-to-all"]["count"] == 2, ops
+    assert ops["all-gather"]["elements"] == sum(x.size for x in split), ops
+    # The gradients' reduction (XLA:CPU: an all-reduce and a slice; GPU/TPU backends form
+    # a reduce-scatter), and the loss.
+    reduced = sum(ops.get(k, {}).get("elements", 0) for k in ("all-reduce", "reduce-scatter"))
+    assert reduced <= sum(x.size for x in leaves) + 8, ops
+    assert set(ops) <= {"all-to-all", "all-gather", "all-reduce", "reduce-scatter"}, ops
+
+
+def single_device_state_bytes(ctx):
+    """The single-device MuonAdamW state's bytes, from shapes."""
+    import jax
+    from optim_setup import make_optimizer
+
+    single = make_optimizer(ctx.abstract_params, ctx.cfg, total_steps=ctx.args.steps)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        jax.eval_shape(single.init, ctx.abstract_params)))
+
+
 def test_gradients_inside_shard_map_are_each_devices_own():
     """Inside shard_map, jax.grad at the replicated params would return the gradient
     summed over the devices (an all-reduce in the backward pass, then N times the mean
@@ -156,7 +276,7 @@ def test_gradients_inside_shard_map_are_each_devices_own():
         return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
 
     def per_device(p, x, y):
-        loss, grads = train.local_value_and_grad(loss_of, p, x, y, "data")
+        loss, grads = parallel.local_value_and_grad(loss_of, p, x, y, "data")
         return loss, jax.tree.map(lambda g: g[None], grads)  # device d's gradient: row d
 
     loss, grads = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")),

@@ -1,5 +1,5 @@
 """The README's snippets run as pasted: quickstart, ZeRO-2 (and what continues it: the
-estimate, the move to one device), the optax.contrib.muon switch."""
+estimate, the move to one device), FSDP, the optax.contrib.muon switch."""
 
 import re
 from pathlib import Path
@@ -31,7 +31,7 @@ def test_quickstart_runs():
 
 def test_zero2_snippet_and_its_continuations_run():
     assert jax.device_count() == 8  # conftest's simulated devices: the mesh snippet uses all
-    ns = run(block("(8 * n, 16)"), block("muon_optax.estimate("),
+    ns = run(block("state = jax.jit(jax.shard_map(tx.init"), block("muon_optax.estimate("),
              block("muon_optax.import_state("))
     assert len(ns["est"]["state_bytes"]) == 256
     assert jax.tree.structure(ns["state1"]) == jax.tree.structure(ns["one"].init(ns["params"]))
@@ -40,3 +40,11 @@ def test_zero2_snippet_and_its_continuations_run():
 def test_contrib_snippet_runs():
     ns = run(block("muon_optax.contrib_muon("))
     assert "params" in ns and "state" in ns
+
+
+def test_fsdp_snippet_runs_and_keeps_the_split():
+    ns = run(block("axis_types=(AxisType.Explicit,)"))
+    specs = {k: tuple(v.sharding.spec) for k, v in ns["params"].items()}
+    assert specs["w2"] == (None, "data") and specs["embed"][0] == "data", specs
+    for leaf in jax.tree.leaves(ns["state"].muon):
+        assert leaf.sharding.spec[0] == "data" and leaf.addressable_shards[0].data.shape[0] == 1

@@ -101,6 +101,25 @@ def test_out_that_is_a_file_is_refused(capsys, tmp_path, corpus):
     refused(capsys, [*TINY, "--data", corpus, "--out", target / "run"], "is a file")
 
 
+def test_a_checkpoint_with_a_device_bound_state_is_refused(capsys, tmp_path, corpus):
+    """A checkpoint of an earlier train.py (its state laid out for its device count, no
+    ``"state"`` entry in the meta): --resume says so in one line instead of failing to
+    restore."""
+    import jax.numpy as jnp
+    from checkpoints import Checkpoints
+
+    argv = [*TINY, "--data", corpus, "--out", tmp_path]
+    args = train.build_parser().parse_args([str(a) for a in argv])
+    ctx = train._setup(args, train._load_data(args), [])
+    capsys.readouterr()
+    ckpts = Checkpoints(tmp_path / "ckpt", keep=2, every=0)
+    meta = {"step": 2, "data_position": 2, "config": train._config_key(ctx, "muon")}
+    ckpts.save(2, {"w": jnp.zeros(3)}, {"mu": jnp.zeros(3)}, meta, force=True)
+    ckpts.close()
+    refused(capsys, [*argv, "--resume"], "holds the optimizer state in another form",
+            "without --resume")
+
+
 def test_a_model_too_big_for_the_device_is_refused_before_it_is_built(
         capsys, tmp_path, corpus, monkeypatch):
     monkeypatch.setattr(memory, "device_memory",

@@ -8,7 +8,8 @@ running when the test ends or a timeout passes.
 * SIGTERM to a single process: a checkpoint, status 143, and ``--resume`` repeats the
   loss sequence of an uninterrupted run bit for bit;
 * two processes (``--distributed``, gloo on localhost), SIGINT to process 1 only: both
-  stop after the same step with one checkpoint and status 130 within 120 s, and resume;
+  stop after the same step with one checkpoint and status 130 within 120 s, and resume
+  (in the other mode: the ZeRO-2 checkpoint continues with ``--fsdp``);
 * a second SIGINT while the checkpoint is being written (a wrapper slows orbax's final
   rename down): one line, no traceback, status 130; the next start removes the
   unfinished folder and resumes from the last complete checkpoint.
@@ -201,9 +202,10 @@ def test_sigint_to_one_of_two_processes_stops_both_at_one_step(procs, tmp_path, 
     assert "interrupted (SIGINT on process 1)" in procs.output(pair[0])
     assert read_log(out)[-1]["step"] == stopped_at
 
-    pair = _start_pair(procs, "again", out, corpus, "--resume")
+    pair = _start_pair(procs, "again", out, corpus, "--resume", "--fsdp")
     assert procs.wait(pair, RUN_TIMEOUT_S) == [0, 0], procs.report(pair)
-    assert f"(step {stopped_at})" in procs.output(pair[0])
+    assert (f"(step {stopped_at}; written on 4 devices in 2 processes (ZeRO-2), continued on "
+            f"4 devices in 2 processes (FSDP))") in procs.output(pair[0])
     assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
 
 

@@ -1,5 +1,15 @@
 """orbax checkpoints of the GPT example: ``ckpt/<step>/{params,opt_state,meta}``.
 
+What a checkpoint holds does not depend on the devices or the mode it was written in:
+the params as global arrays, and the optimizer state in a portable form (``StateForm``):
+MuonAdamW's as ``muon_optax.export_state`` gives it (per parameter: AdamW moments,
+Muon momentum, NorMuon second moment), ``optax.adamw``'s as optax keeps it (global
+arrays with the params' shapes). A restore reads them into arrays placed for the
+current run (restore targets built from shapes, with the current shardings), and
+``muon_optax.import_state`` lays the MuonAdamW state out for the current device count
+and mode. So ``--resume`` continues on another ``--devices``, with or without
+``--fsdp``, with one process or several.
+
 What orbax's ``CheckpointManager`` options give here:
 
 * ``max_to_keep``: the last ``--keep-ckpts`` checkpoints stay;
@@ -23,7 +33,71 @@ would stop. The training loop alone asks jax, once per step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
+
+PORTABLE = "muon_optax.export_state"   # meta["state"] of MuonAdamW checkpoints
+OPTAX = "optax"                        # ... of optax.adamw ones
+
+
+class StateForm(NamedTuple):
+    """How one optimizer's state goes into a checkpoint and comes back.
+
+    ``save(state)`` gives the tree written; ``load(tree)`` the state placed for the train
+    step; ``target`` is the written tree as shape structs with the shardings to read it
+    into; ``kind`` is stored in the checkpoint's meta (a checkpoint of another kind,
+    e.g. of an earlier ``train.py``, is refused).
+    """
+
+    kind: str
+    save: Callable
+    load: Callable
+    target: Any
+
+
+def with_shardings(shapes, shardings):
+    """Shape structs carrying ``shardings`` (one for all, or a tree like ``shapes``)."""
+    import jax
+
+    def struct(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: struct(x, shardings), shapes)
+    return jax.tree.map(struct, shapes, shardings)
+
+
+def portable_form(tx, abstract_params, abstract_state, state_shardings, layout) -> StateForm:
+    """MuonAdamW's state as ``muon_optax.export_state`` gives it, split over the devices
+    by FSDP's rule (``layout.split_specs``) while it is written and read.
+
+    ``num_devices`` matters only to the ``shard_map`` (ZeRO-2) form of ``tx``, which
+    does not know its device count; the mesh and one-device forms ignore it.
+    """
+    import jax
+
+    import muon_optax
+
+    n = layout.num_devices
+
+    def export(state):
+        return muon_optax.export_state(tx, state, abstract_params, num_devices=n)
+
+    shapes = jax.eval_shape(export, abstract_state)
+    spread = layout.shardings(layout.split_specs(shapes))
+    save = jax.jit(export, out_shardings=spread)
+    load = jax.jit(lambda portable: muon_optax.import_state(tx, portable, abstract_params,
+                                                            num_devices=n),
+                   out_shardings=state_shardings)
+    return StateForm(PORTABLE, save, load, with_shardings(shapes, spread))
+
+
+def optax_form(abstract_state, state_shardings) -> StateForm:
+    """An optax state as it is: global arrays shaped like the params, the same in every
+    mode; read straight into the current shardings."""
+    return StateForm(OPTAX, lambda state: state, lambda state: state,
+                     with_shardings(abstract_state, state_shardings))
 
 
 def _manager_class():
@@ -62,14 +136,17 @@ class Checkpoints:
     def save(self, step: int, params, opt_state, meta: dict, *, stop: bool = False,
              force: bool = False) -> bool:
         """Saves when the policy says so (every ``every`` steps, ``stop``: the agreed stop)
-        or ``force``; returns whether a save started."""
+        or ``force``; returns whether a save started. ``opt_state`` may be a callable
+        that makes the tree to write (called only when a save starts)."""
         ocp = self.ocp
         if stop:
             self.manager.stop_step = step
         self.wait()  # orbax would wait for the previous write too, in a blocking join
-        if self.manager.latest_step() == step:
+        if self.manager.latest_step() == step or not (force or self.manager.should_save(step)):
             return False
-        return self.manager.save(step, force=force, args=ocp.args.Composite(
+        if callable(opt_state):
+            opt_state = opt_state()
+        return self.manager.save(step, force=True, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta)))

@@ -1,11 +1,15 @@
 """Memory per device from shapes alone: printed, and checked, before the model is built.
 
-Per device, data-parallel with ZeRO-2:
+Per device, on N devices:
 
-* params: replicated, every device holds all of them;
-* grads: every device computes the gradients of all params for its rows;
-* optimizer state: as the optimizer lays it out; the sharded MuonAdamW keeps 1/N of its
-  state per device (plus the small params' state, replicated), ``optax.adamw`` all of it.
+* params: all of them (one device, ZeRO-2), or under FSDP each split parameter's 1/N
+  share (vectors and scalars whole);
+* grads: as the params (under ZeRO-2 every device computes the gradients of all params
+  for its rows; under FSDP they are reduced to the params' split);
+* optimizer state: MuonAdamW's from ``muon_optax.estimate`` for the run's mode (the bytes
+  each device allocates, exactly: 1/N of the Muon state and of the large AdamW moments,
+  the small params' state whole); ``optax.adamw``'s (``--compare adamw``) from its shapes,
+  whole under ZeRO-2, split like the params under FSDP.
 
 Activations and the step's temporaries come on top; they depend on the batch, the
 sequence length and XLA's schedule, and are left out.
@@ -46,17 +50,22 @@ def _is_spec(x) -> bool:
 
 
 def optimizer_state_bytes(init, params, specs=None, num_devices: int = 1) -> list[int]:
-    """Bytes of the optimizer state on each device, from ``jax.eval_shape(init, params)``.
-
-    ``init`` is the (possibly ``shard_map``-wrapped) state initializer, ``specs`` the
-    state's PartitionSpecs over ``"data"``. A stand-in for the library's own estimate:
-    once ``muon_optax.estimate(tx, params, num_devices)`` exists, its ``"state_bytes"``
-    (a list per device) replaces this function.
-    """
+    """Bytes of an optax optimizer's state on each device, from
+    ``jax.eval_shape(init, params)``; ``specs`` are the state's PartitionSpecs over
+    ``"data"`` (None: whole on every device)."""
     import jax
 
     shapes = jax.eval_shape(init, params)
     return [per_device_bytes(shapes, specs, num_devices=num_devices)] * num_devices
+
+
+def muon_state_bytes(tx, params, num_devices: int, param_specs=None) -> list[int]:
+    """MuonAdamW's state bytes on each device, from ``muon_optax.estimate``: ``tx`` built
+    with ``axis_name`` (and ``mesh``), ``param_specs`` the params' split (FSDP) or None
+    (whole on every device: ZeRO-2, or one device with ``num_devices=1``)."""
+    import muon_optax
+
+    return muon_optax.estimate(tx, params, num_devices, param_specs=param_specs)["state_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +87,12 @@ class Estimate:
                 f"({state}) = {fmt(self.total)}, plus activations")
 
 
-def estimate(params, state_bytes: dict[str, list[int]]) -> Estimate:
-    """The estimate for replicated ``params`` and each optimizer's per-device state bytes."""
-    p = per_device_bytes(params)
+def estimate(params, state_bytes: dict[str, list[int]], param_specs=None,
+             num_devices: int = 1) -> Estimate:
+    """The estimate for ``params`` laid out as ``param_specs`` say over ``num_devices``
+    (None: whole on every device), gradients laid out alike, and each optimizer's
+    per-device state bytes."""
+    p = per_device_bytes(params, param_specs, num_devices=num_devices)
     return Estimate(params=p, grads=p, state={k: max(v) for k, v in state_bytes.items()})
 
 

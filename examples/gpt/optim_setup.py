@@ -227,6 +227,8 @@ def make_optimizer(
     *,
     total_steps: int,
     axis_name: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
     **group_settings: Any,
 ) -> optax.GradientTransformation:
     """nanochat's MuonAdamW for a ``model.GPT`` with config ``cfg``.
@@ -235,9 +237,12 @@ def make_optimizer(
     used here only to check the grouping. ``group_settings`` are :func:`make_groups`'
     keywords (learning rates, schedule shape, ``muon_options`` such as
     ``dict(compute_dtype=jnp.bfloat16)``); ``axis_name`` selects the sharded variant of
-    ``muon_optax.muon_adamw``.
+    ``muon_optax.muon_adamw`` (ZeRO-2 inside ``shard_map``), with ``mesh`` and
+    ``param_specs`` (the params' PartitionSpecs on that mesh of auto axes) the one for
+    plain ``jax.jit`` over params laid out as ``param_specs`` say (FSDP).
     """
     check_labels(params)
     groups = make_groups(cfg.n_embd, total_steps=total_steps, **group_settings)
     labels = muon_optax.label_by_path(LABEL_RULES, matrix="unmatched", other="unmatched")
-    return muon_optax.muon_adamw(groups, labels, axis_name=axis_name)
+    return muon_optax.muon_adamw(groups, labels, axis_name=axis_name, mesh=mesh,
+                                 param_specs=param_specs)

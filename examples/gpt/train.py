@@ -3,6 +3,7 @@
     python examples/gpt/train.py                       # the default run: ~4 min on 2 CPU cores
     python examples/gpt/train.py --compare adamw       # + the same model with optax.adamw
     python examples/gpt/train.py --devices 4           # data-parallel, ZeRO-2 optimizer
+    python examples/gpt/train.py --devices 4 --fsdp    # params, grads and state sharded
     python examples/gpt/train.py --resume              # continue from the last checkpoint
     python examples/gpt/train.py --data my_texts/ --depth 6 --steps 2000
 
@@ -14,7 +15,8 @@ Everything lands under ``--out`` (default ``runs/gpt``):
                        tokens_per_s, and val_loss / val_bpb at every evaluation (step 0
                        holds only the validation numbers of the untrained model)
     loss.png           the loss curves (train and validation; both optimizers with --compare)
-    ckpt/<step>/       orbax checkpoints: params, optimizer state, step (= data position)
+    ckpt/<step>/       orbax checkpoints: params, optimizer state (portable: any device
+                       count, any mode), step (= data position)
     adamw/             with --compare adamw: the AdamW run's log.jsonl and ckpt/
 
 The data is a pure function of the step (``ByteDataset.batch(step)``), so a checkpoint
@@ -28,8 +30,11 @@ inside ``jax.shard_map``, each device computes the gradients of its ``batch_size
 rows, and ``muon_optax``'s sharded MuonAdamW (ZeRO-2) reduce-scatters them, updates the
 share of the state each device owns and all-gathers the updates. On CPU the N devices are
 simulated (``XLA_FLAGS=--xla_force_host_platform_device_count``, set here before jax is
-imported). ``--distributed`` runs the same step over every device of every process
-(``jax.distributed.initialize()``; one process per host).
+imported). ``--fsdp`` shards the params, gradients and optimizer state over the devices
+instead and runs the train step under plain ``jax.jit`` (see ``parallel.py``).
+``--distributed`` runs the same step over every device of every process
+(``jax.distributed.initialize()``; one process per host). A checkpoint written in one
+of these modes resumes in any other (``checkpoints.py``).
 
 ``main(argv)`` runs in-process too (the tests do); jax is imported only after the
 arguments are checked, so that the simulated device count can still be set and bad
@@ -171,6 +176,9 @@ def _device_flags(dev) -> None:
     dev.add_argument("--devices", type=int, default=1,
                      help="data-parallel devices (on CPU simulated; with --distributed: "
                           "simulated CPU devices per process, else ignored)")
+    dev.add_argument("--fsdp", action="store_true",
+                     help="fully sharded data parallel: params, gradients and optimizer state "
+                          "split over the devices (default: ZeRO-2, params replicated)")
     dev.add_argument("--distributed", action="store_true",
                      help="multi-host: jax.distributed.initialize() and a mesh over all devices "
                           "of all processes")
@@ -317,10 +325,10 @@ class Context:
     graphdef: object         # nnx.GraphDef of the model
     rest: object             # non-Param model state (none in this GPT), passed in read-only
     abstract_params: object  # the params as jax.ShapeDtypeStructs: nothing allocated
-    init_params: object      # jitted () -> params, placed replicated on the devices
+    init_params: object      # jitted () -> params, placed for the mode (parallel.py)
     devices: list
     mesh: object | None      # jax.sharding.Mesh over the "data" axis, None on one device
-    place: object            # Placement
+    place: object            # parallel.Layout: the mode, and where arrays go
     is_main: bool            # process 0: writes logs, plots, prints
     warmup_steps: int
     lr_scale: float
@@ -380,7 +388,9 @@ def _abstract_model(args: argparse.Namespace, dtype):
 
 
 def _param_initializer(cfg, seed: int, dtype, sharding):
-    """A jitted ``() -> params``: the seed's init, one compiled program, placed replicated."""
+    """A jitted ``() -> params``: the seed's init, one compiled program, placed as
+    ``sharding`` says (one for all, or a tree). jax's random bits do not depend on the
+    sharding, so every mode starts from the same params."""
     import jax
     from flax import nnx
     from model import GPT
@@ -397,24 +407,27 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
     import jax.numpy as jnp
     from jax.sharding import AxisType
     from optim_setup import nanochat_batch_lr_scale
+    from parallel import Layout
 
     if args.distributed:
         _init_distributed(args)
     devices = _pick_devices(args)
     mesh = None
-    if args.distributed or len(devices) > 1:
+    if args.distributed or args.fsdp or len(devices) > 1:
         mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,),
                              devices=devices)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     cfg, graphdef, abstract_params, rest = _abstract_model(args, dtype)
-    place = Placement(mesh)
+    place = Layout(mesh, fsdp=args.fsdp)
     warmup = args.warmup_steps
     if warmup is None:
         warmup = min(40, max(1, args.steps // 10))
     lr_scale = (nanochat_batch_lr_scale(args.batch_size * args.seq_len)
                 if args.lr_scale == "nanochat" else float(args.lr_scale))
     ctx = Context(args, argv, dataset, cfg, graphdef, rest, abstract_params,
-                  _param_initializer(cfg, args.seed, dtype, place.replicated), devices, mesh,
+                  _param_initializer(cfg, args.seed, dtype,
+                                     place.shardings(place.param_specs(abstract_params))),
+                  devices, mesh,
                   place, jax.process_index() == 0, warmup, lr_scale, dtype)
     ctx.estimate = _estimate_memory(ctx)
     if ctx.is_main:
@@ -433,10 +446,12 @@ def _print_plan(ctx: Context) -> None:
     import jax
 
     a, cfg, n = ctx.args, ctx.cfg, ctx.num_devices
+    mode = {"one device": "single device",
+            "ZeRO-2": "data-parallel mesh, sharded MuonAdamW (ZeRO-2)",
+            "FSDP": "data-parallel mesh, FSDP: params, grads and MuonAdamW state sharded"}
     where = (f"{n} {ctx.devices[0].platform} device(s), "
              + (f"{jax.process_count()} process(es), " if a.distributed else "")
-             + ("data-parallel mesh, sharded MuonAdamW (ZeRO-2)" if ctx.mesh is not None
-                else "single device"))
+             + mode[ctx.place.mode])
     print(f"model: depth {cfg.n_layer}, width {cfg.n_embd}, {cfg.n_head} heads, "
           f"{_count_params(ctx.abstract_params):,} params, {a.dtype} compute")
     print(f"data:  {ctx.dataset.source}")
@@ -446,16 +461,23 @@ def _print_plan(ctx: Context) -> None:
 
 
 def _estimate_memory(ctx: Context):
-    """Params, grads and each optimizer's state per device, from shapes (memory.py)."""
+    """Params, grads and each optimizer's state per device, from shapes (memory.py):
+    MuonAdamW's from ``muon_optax.estimate`` for the run's mode."""
     import memory
+    from parallel import state_specs
 
+    params, place, n = ctx.abstract_params, ctx.place, ctx.num_devices
+    param_specs = place.param_specs(params) if place.fsdp else None
     state = {}
     for name, _ in ctx.runs:
-        tx, sharded = _make_tx(ctx, name, ctx.abstract_params)
-        init, specs = _state_layout(ctx, tx, sharded)
-        state[name] = memory.optimizer_state_bytes(init, ctx.abstract_params, specs,
-                                                   ctx.num_devices)
-    return memory.estimate(ctx.abstract_params, state)
+        if name == "muon":  # estimate() wants axis_name: on one device, a 1-device plan
+            tx = _muon_tx(ctx, params, owner_axis=True)
+            state[name] = memory.muon_state_bytes(tx, params, n, param_specs)
+        else:
+            tx, sharded = _make_tx(ctx, name, params)
+            state[name] = memory.optimizer_state_bytes(
+                tx.init, params, state_specs(place, tx, sharded, params), n)
+    return memory.estimate(params, state, param_specs, n)
 
 
 def _check_fits(ctx: Context) -> None:
@@ -469,7 +491,7 @@ def _check_fits(ctx: Context) -> None:
         raise UsageError(
             f"the model does not fit: {_count_params(ctx.abstract_params):,} params need about "
             f"{memory.fmt(ctx.estimate.total)} per device for params, grads and optimizer state "
-            f"alone, but {what}; lower --depth")
+            f"alone, but {what}; lower --depth{_or_fsdp(ctx)}")
 
 
 def _out_of_memory_message(ctx: Context) -> str:
@@ -480,7 +502,13 @@ def _out_of_memory_message(ctx: Context) -> str:
             f"params (about {memory.fmt(ctx.estimate.total)} per device for params, grads and "
             f"optimizer state) and the activations of {a.batch_size // ctx.num_devices} x "
             f"{a.seq_len} tokens per device do not fit; lower --batch-size, --seq-len or "
-            f"--depth, or use --dtype bfloat16")
+            f"--depth, or use --dtype bfloat16{_or_fsdp(ctx)}")
+
+
+def _or_fsdp(ctx: Context) -> str:
+    """The advice to shard the params too, where it would help."""
+    return "" if ctx.place.fsdp or ctx.num_devices == 1 else (
+        f", or split params, grads and state over the {ctx.num_devices} devices with --fsdp")
 
 
 def _prepare_out(ctx: Context) -> None:
@@ -530,7 +558,7 @@ def _config_record(ctx: Context, status: str, results: dict) -> dict:
         max_bytes=a.max_bytes if a.max_bytes or a.data else DEFAULT_MAX_BYTES,
         corpus_bytes=len(ctx.dataset.train) + len(ctx.dataset.val),
         warmup_steps=ctx.warmup_steps, lr_scale=ctx.lr_scale, learning_rates=learning_rates,
-        devices=ctx.num_devices, processes=jax.process_count(),
+        devices=ctx.num_devices, processes=jax.process_count(), mode=ctx.place.mode,
         params=_count_params(ctx.abstract_params),
         memory_per_device={"params": ctx.estimate.params, "grads": ctx.estimate.grads,
                            "optimizer_state": ctx.estimate.state},
@@ -626,8 +654,9 @@ def _config_key(ctx: Context, name: str) -> dict:
     key = {k: getattr(a, k) for k in (
         "steps", "seed", "depth", "head_dim", "batch_size", "seq_len", "dtype", "max_bytes",
         "warmdown_frac", "final_lr_frac")}
+    # Not the device count nor the mode: the checkpoint's state is portable.
     key.update(data=str(Path(a.data).resolve()) if a.data else None,
-               devices=ctx.num_devices, warmup_steps=ctx.warmup_steps, optimizer=name)
+               warmup_steps=ctx.warmup_steps, optimizer=name)
     if name == "muon":
         key.update({k: getattr(a, k) for k in (
             "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay",
@@ -637,21 +666,34 @@ def _config_key(ctx: Context, name: str) -> dict:
     return key
 
 
+def _muon_tx(ctx: Context, params, owner_axis: bool):
+    """nanochat's MuonAdamW for the run's mode: on one device plain; under ZeRO-2 with
+    ``axis_name="data"`` (inside the step's ``shard_map``); under FSDP with the mesh and
+    the params' split, for plain ``jax.jit``. ``owner_axis`` forces ``axis_name`` (the
+    form ``muon_optax.estimate`` plans with)."""
+    from optim_setup import make_optimizer
+
+    a, place = ctx.args, ctx.place
+    sharded = owner_axis or place.mesh is not None
+    return make_optimizer(
+        params, ctx.cfg, total_steps=a.steps, warmup_steps=ctx.warmup_steps,
+        lr_scale=ctx.lr_scale, warmdown_frac=a.warmdown_frac, final_lr_frac=a.final_lr_frac,
+        embedding_lr=a.embedding_lr, unembedding_lr=a.unembedding_lr,
+        matrix_lr=a.matrix_lr, scalar_lr=a.scalar_lr, weight_decay=a.weight_decay,
+        axis_name="data" if sharded else None,
+        mesh=place.mesh if place.fsdp else None,
+        param_specs=place.param_specs(params) if place.fsdp else None)
+
+
 def _make_tx(ctx: Context, name: str, params):
     """(transformation, sharded): nanochat's MuonAdamW, or the optax.adamw baseline."""
     import jax
     import optax
-    from optim_setup import lr_multiplier, make_optimizer, param_labels
+    from optim_setup import lr_multiplier, param_labels
 
     a = ctx.args
     if name == "muon":
-        tx = make_optimizer(
-            params, ctx.cfg, total_steps=a.steps, warmup_steps=ctx.warmup_steps,
-            lr_scale=ctx.lr_scale, warmdown_frac=a.warmdown_frac, final_lr_frac=a.final_lr_frac,
-            embedding_lr=a.embedding_lr, unembedding_lr=a.unembedding_lr,
-            matrix_lr=a.matrix_lr, scalar_lr=a.scalar_lr, weight_decay=a.weight_decay,
-            axis_name="data" if ctx.mesh is not None else None)
-        return tx, ctx.mesh is not None
+        return _muon_tx(ctx, params, owner_axis=False), ctx.mesh is not None
     # AdamW baseline: GPT-style betas, decoupled weight decay 0.1 on the block matrices only,
     # the same warmup / warmdown shape as MuonAdamW's lr multiplier.
     mult = lr_multiplier(a.steps, ctx.warmup_steps, a.warmdown_frac, a.final_lr_frac)
@@ -669,134 +711,29 @@ def _peak_lr(ctx: Context, name: str) -> float:
 # ----------------------------------------------------------------------------- steps
 
 
-class Steps:
-    """A run's compiled functions: ``init`` (state), ``train``, ``eval``; ``specs`` are the
-    state's PartitionSpecs over ``"data"`` (None on one device)."""
-
-    def __init__(self, init, train, eval, specs):
-        self.init, self.train, self.eval, self.specs = init, train, eval, specs
-
-
-def local_value_and_grad(loss_of, params, x, y, axis_name: str | None = None):
-    """``(loss, grads)`` of this device's rows ``x, y``; the loss averaged over the devices.
-
-    Inside ``jax.shard_map`` the params come in replicated (``P()``), invariant along
-    ``axis_name``, and ``jax.grad`` at an invariant input returns the gradient already
-    *summed* over the devices: the transpose of handing one value to every device is a
-    ``psum``, an all-reduce of every gradient in the backward pass. ``pcast(...,
-    to="varying")`` makes each device's copy its own first, so each device gets the
-    gradient of its own rows and the reduction is left to the optimizer (ZeRO-2: one
-    reduce-scatter, mean). Every device has as many rows, so the mean of the devices'
-    losses is the mean over the global batch.
-    """
-    import jax
-
-    if axis_name is None:
-        return jax.value_and_grad(loss_of)(params, x, y)
-    local = jax.lax.pcast(params, axis_name, to="varying")
-    loss, grads = jax.value_and_grad(loss_of)(local, x, y)
-    return jax.lax.pmean(loss, axis_name), grads
-
-
-def _step_functions(ctx: Context, tx, sharded_tx: bool):
-    """The per-device ``train_step(params, state, x, y)`` and ``eval_step(params, x, y)``."""
-    import jax
-    import optax
+def _build_steps(ctx: Context, tx, sharded_tx: bool):
+    """The run's compiled steps for its mode (``parallel.build_steps``)."""
     from flax import nnx
     from model import loss_fn
+    from parallel import build_steps
 
     graphdef, rest = ctx.graphdef, ctx.rest
-    axis = None if ctx.mesh is None else "data"
 
     def loss_of(p, x, y):
         return loss_fn(nnx.merge(graphdef, p, rest), x, y)
 
-    def train_step(p, state, x, y):
-        loss, grads = local_value_and_grad(loss_of, p, x, y, axis)
-        if axis is not None and not sharded_tx:
-            grads = jax.lax.pmean(grads, axis)  # a replicated optimizer: DDP's all-reduce
-        updates, state = tx.update(grads, state, p)
-        return optax.apply_updates(p, updates), state, loss
-
-    def eval_step(p, x, y):
-        loss = loss_of(p, x, y)
-        return loss if axis is None else jax.lax.pmean(loss, axis)
-
-    return train_step, eval_step
+    return build_steps(ctx.place, tx, sharded_tx, loss_of, ctx.abstract_params)
 
 
-def _state_layout(ctx: Context, tx, sharded_tx: bool):
-    """``(init, specs)``: the state initializer and the state's PartitionSpecs (None on
-    one device). The sharded MuonAdamW's state is split as ``state_specs`` says; a plain
-    optax state is replicated."""
+def _state_form(ctx: Context, name: str, tx, steps):
+    """How the run's optimizer state is checkpointed (``checkpoints.StateForm``)."""
     import jax
-    from jax.sharding import PartitionSpec as P
+    from checkpoints import optax_form, portable_form
 
-    import muon_optax
-
-    if ctx.mesh is None:
-        return jax.jit(tx.init), None
-    if sharded_tx:
-        specs = muon_optax.state_specs(tx, ctx.abstract_params, ctx.mesh)
-    else:
-        specs = jax.tree.map(lambda _: P(), jax.eval_shape(tx.init, ctx.abstract_params))
-    init = jax.jit(jax.shard_map(tx.init, mesh=ctx.mesh, in_specs=P(), out_specs=specs))
-    return init, specs
-
-
-def _build_steps(ctx: Context, tx, sharded_tx: bool) -> Steps:
-    """One device: plain ``jax.jit``. A mesh: ``jax.shard_map`` over ``"data"``, params
-    replicated (``P()``), the batch split by rows (``P("data")``)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    init, specs = _state_layout(ctx, tx, sharded_tx)
-    train_step, eval_step = _step_functions(ctx, tx, sharded_tx)
-    if ctx.mesh is None:
-        return Steps(init, jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step), None)
-    mesh, rows = ctx.mesh, P("data")
-    train = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, rows, rows),
-                                  out_specs=(P(), specs, P())), donate_argnums=(0, 1))
-    evaluate = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(P(), rows, rows),
-                                     out_specs=P()))
-    return Steps(init, train, evaluate, specs)
-
-
-class Placement:
-    """Puts host arrays onto the devices: replicated params, row-split batches.
-
-    Each process hands over only its own rows of a batch
-    (``jax.make_array_from_process_local_data``): with one process that is the whole batch,
-    with ``--distributed`` the rows of its devices.
-    """
-
-    def __init__(self, mesh):
-        import jax
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        self.mesh = mesh
-        if mesh is None:
-            device = jax.devices()[0]
-            self.replicated = self.rows = jax.sharding.SingleDeviceSharding(device)
-        else:
-            self.replicated = NamedSharding(mesh, P())
-            self.rows = NamedSharding(mesh, P("data"))
-
-    def sharding(self, spec):
-        from jax.sharding import NamedSharding
-
-        return self.replicated if self.mesh is None else NamedSharding(self.mesh, spec)
-
-    def batch(self, x):
-        import jax
-
-        if self.mesh is None:
-            return jax.device_put(x, self.rows)
-        index = self.rows.addressable_devices_indices_map(x.shape).values()
-        lo = min(i[0].start or 0 for i in index)
-        hi = max(x.shape[0] if i[0].stop is None else i[0].stop for i in index)
-        return jax.make_array_from_process_local_data(self.rows, x[lo:hi], x.shape)
+    abstract_state = jax.eval_shape(steps.init, ctx.abstract_params)
+    if name == "muon":
+        return portable_form(tx, ctx.abstract_params, abstract_state, steps.state, ctx.place)
+    return optax_form(abstract_state, steps.state)
 
 
 def _scalar(x) -> float:
@@ -815,10 +752,12 @@ class Run:
 
     name: str
     run_dir: Path
-    steps: Steps
+    steps: object            # parallel.Steps
+    form: object             # checkpoints.StateForm: the state as checkpoints hold it
     ckpts: object            # checkpoints.Checkpoints
     key: dict                # _config_key: what a checkpoint must match
     start: int
+    saved: dict | None = None  # the meta of the checkpoint resumed from
     log: object = None       # report.RunLog
     params: object = None
     opt_state: object = None
@@ -831,12 +770,17 @@ class Run:
     compile_s: float = 0.0
     train_s: float = 0.0
 
-    def meta(self, step: int) -> dict:
-        return {"step": step, "data_position": step, "config": self.key}
+    def meta(self, step: int, ctx: Context) -> dict:
+        import jax
+
+        return {"step": step, "data_position": step, "config": self.key, "state": self.form.kind,
+                "written_on": {"devices": ctx.num_devices, "mode": ctx.place.mode,
+                               "processes": jax.process_count()}}
 
 
-def _open_checkpoints(ctx: Context, name: str, run_dir: Path):
-    """``(checkpoints, start step)``; ``--resume`` checks that the settings match."""
+def _open_checkpoints(ctx: Context, name: str, run_dir: Path, kind: str):
+    """``(checkpoints, start step, the checkpoint's meta)``; ``--resume`` checks that the
+    settings match (any device count and mode do) and that the state is of ``kind``."""
     from checkpoints import Checkpoints
 
     a = ctx.args
@@ -846,57 +790,74 @@ def _open_checkpoints(ctx: Context, name: str, run_dir: Path):
     if start is None:
         if a.resume and ctx.is_main:
             print(f"[{name}] --resume: no checkpoint in {ckpts.directory}; starting from step 0")
-        return ckpts, 0
-    saved, key = ckpts.meta(start)["config"], _config_key(ctx, name)
+        return ckpts, 0, None
+    meta = ckpts.meta(start)
+    saved, key = meta["config"], _config_key(ctx, name)
     diff = {k: (saved[k], v) for k, v in key.items() if k in saved and saved[k] != v}
+    problem = None
     if diff:
+        problem = ("was written with other settings: " + ", ".join(
+            f"{k}={old!r} (now {new!r})" for k, (old, new) in diff.items()))
+    elif meta.get("state") != kind:
+        problem = ("holds the optimizer state in another form (an earlier train.py's, tied to "
+                   "its device count); start afresh without --resume")
+    if problem:
         ckpts.close()
-        raise UsageError(
-            f"--resume: the checkpoint in {ckpts.directory} was written with other settings: "
-            + ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in diff.items()))
-    return ckpts, start
+        raise UsageError(f"--resume: the checkpoint in {ckpts.directory / str(start)} {problem}")
+    return ckpts, start, meta
 
 
 def _initial_state(ctx: Context, run: Run) -> None:
-    """Fresh params and optimizer state, or the checkpoint's, placed for the train step."""
+    """Fresh params and optimizer state, or the checkpoint's, placed for the train step.
+
+    A checkpoint is read into arrays placed as this run's steps take them (restore
+    targets from shapes, with this run's shardings; orbax reads each device's part),
+    then its portable state is laid out for this run's devices and mode.
+    """
     import jax
-    from jax.sharding import PartitionSpec as P
+    from checkpoints import with_shardings
 
     if run.start == 0:
         run.params = ctx.init_params()  # the same seed, the same init for every optimizer
         run.opt_state = run.steps.init(run.params)
         return
-
-    # The restore target: abstract arrays with the shardings the step expects (the
-    # optimizer state's from its PartitionSpecs), so orbax puts every shard in place.
-    def target(x, spec=P()):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ctx.place.sharding(spec))
-
-    state = jax.eval_shape(run.steps.init, ctx.abstract_params)
-    state = (jax.tree.map(target, state) if run.steps.specs is None
-             else jax.tree.map(target, state, run.steps.specs))
     try:
-        run.params, run.opt_state = run.ckpts.restore(
-            run.start, jax.tree.map(target, ctx.abstract_params), state)
-    except ValueError as e:  # e.g. written by a version with another state layout
+        run.params, saved = run.ckpts.restore(
+            run.start, with_shardings(ctx.abstract_params, run.steps.params), run.form.target)
+        run.opt_state = run.form.load(saved)
+    except ValueError as e:  # e.g. a checkpoint of other shapes
         run.ckpts.close()
         raise UsageError(f"--resume: cannot restore {run.ckpts.directory / str(run.start)}: "
                          f"{e}") from None
     if ctx.is_main:
+        was = run.saved.get("written_on", {})
+        now = {"devices": ctx.num_devices, "mode": ctx.place.mode,
+               "processes": jax.process_count()}
+        moved = "" if was == now else (f"; written on {_on(was)}, continued on {_on(now)}")
         print(f"[{run.name}] resumed from {run.ckpts.directory / str(run.start)} "
-              f"(step {run.start})")
+              f"(step {run.start}{moved})")
+
+
+def _on(where: dict) -> str:
+    """``{"devices": 2, "mode": "FSDP", "processes": 1}`` -> ``2 devices (FSDP)``."""
+    n, p = where.get("devices", "?"), where.get("processes", 1)
+    procs = f" in {p} processes" if p != 1 else ""
+    return f"{n} device{'s' if n != 1 else ''}{procs} ({where.get('mode', '?')})"
 
 
 def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
     import jax
     import numpy as np
+    from checkpoints import OPTAX, PORTABLE
     from optim_setup import lr_multiplier
 
     a = ctx.args
     tx, sharded = _make_tx(ctx, name, ctx.abstract_params)
-    ckpts, start = _open_checkpoints(ctx, name, run_dir)
-    run = Run(name, run_dir, _build_steps(ctx, tx, sharded), ckpts, _config_key(ctx, name), start,
-              end=start, peak_lr=_peak_lr(ctx, name))
+    ckpts, start, saved = _open_checkpoints(ctx, name, run_dir,
+                                            PORTABLE if name == "muon" else OPTAX)
+    steps = _build_steps(ctx, tx, sharded)
+    run = Run(name, run_dir, steps, _state_form(ctx, name, tx, steps), ckpts,
+              _config_key(ctx, name), start, saved, end=start, peak_lr=_peak_lr(ctx, name))
     run.lr_mults = np.asarray(jax.jit(jax.vmap(lr_multiplier(
         a.steps, ctx.warmup_steps, a.warmdown_frac, a.final_lr_frac)))(np.arange(a.steps)))
     return run
@@ -987,8 +948,8 @@ def _run_steps(ctx: Context, run: Run, stop: StopSignals) -> None:
                         lr=f"{record['lr']:.2e}", refresh=False)
         run.end = done
         run.stopped = stop.reached(done)  # every process: the same answer at this step
-        run.ckpts.save(done, run.params, run.opt_state, run.meta(done), stop=run.stopped,
-                       force=done == a.steps)
+        run.ckpts.save(done, run.params, lambda: run.form.save(run.opt_state),
+                       run.meta(done, ctx), stop=run.stopped, force=done == a.steps)
         if run.stopped:
             break
     bar.close()
