@@ -6,7 +6,6 @@ free localhost port), waits with a timeout, and kills both on any failure.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from localhost import free_port, gloo_available
 
 import muon_optax
 
@@ -32,20 +32,6 @@ WORKER = Path(__file__).resolve().parent / "multihost_worker.py"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _gloo_available():
-    try:
-        from jax._src.lib import _jax
-    except ImportError:  # pragma: no cover - other jaxlib layouts
-        return False
-    return hasattr(_jax, "make_gloo_tcp_collectives")
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_env():
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
@@ -59,7 +45,7 @@ def _worker_env():
 def run_workers(out_dir, mode="zero2"):
     """Starts the processes and waits for all; returns their logs. Kills every child
     still running on a timeout or any error."""
-    port = _free_port()
+    port = free_port()
     logs = [out_dir / f"worker_{i}.log" for i in range(NUM_PROCESSES)]
     procs = []
     try:
@@ -92,7 +78,7 @@ def run_workers(out_dir, mode="zero2"):
     return [p.returncode for p in procs], report
 
 
-@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+@pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 @pytest.mark.skipif(jax.device_count() < NUM_PROCESSES * LOCAL_DEVICES,
                     reason="needs 8 devices in this process for the reference run")
 def test_two_processes_match_one_process_with_eight_devices(tmp_path):
@@ -128,7 +114,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
         assert err <= allowed, f"{k}: {err:.2e} > {allowed:.2e}"
 
 
-@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+@pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_two_processes_fsdp_match_one_device(tmp_path):
     """Params split over the 8 devices of 2 processes (mesh=, plain jit): the Muon
     matrices reach their owners across processes by all-to-all. Every device sees the

@@ -18,13 +18,13 @@ running when the test ends or a timeout passes.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from localhost import free_port, gloo_available
 
 pytest.importorskip("flax")
 pytest.importorskip("orbax.checkpoint")
@@ -168,29 +168,15 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(procs, tmp_path, corpus
     assert math_of(read_log(cut)) == math_of(read_log(whole))  # bitwise the same run
 
 
-def _gloo_available():
-    try:
-        from jax._src.lib import _jax
-    except ImportError:  # pragma: no cover - other jaxlib layouts
-        return False
-    return hasattr(_jax, "make_gloo_tcp_collectives")
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_pair(procs, name, out, corpus, *extra):
-    port = _free_port()
+    port = free_port()
     return [procs.start(f"{name}{i}", *TINY, "--data", corpus, "--out", out, "--distributed",
                         "--devices", "2", "--coordinator", f"127.0.0.1:{port}",
                         "--num-processes", "2", "--process-id", i, "--batch-size", 4, *extra)
             for i in range(2)]
 
 
-@pytest.mark.skipif(not _gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+@pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_sigint_to_one_of_two_processes_stops_both_at_one_step(procs, tmp_path, corpus):
     out = tmp_path / "out"
     pair = _start_pair(procs, "first", out, corpus)
