@@ -43,6 +43,21 @@ def _take(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
     return jnp.take(x, jnp.asarray(index), axis=axis)
 
 
+def _member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]]:
+    """Stack indices as runs ``(member, lo, hi)``: matrices ``lo .. hi-1`` of that member,
+    consecutive in both the stack and ``indices``."""
+    starts = np.cumsum([0] + [m.batch for m in stack.members])
+    runs: list[tuple[int, int, int]] = []
+    for i in indices.tolist():
+        member = int(np.searchsorted(starts, i, side="right")) - 1
+        local = i - int(starts[member])
+        if runs and runs[-1][0] == member and runs[-1][2] == local:
+            runs[-1] = (member, runs[-1][1], local + 1)
+        else:
+            runs.append((member, local, local + 1))
+    return runs
+
+
 def _device_rows(parts: list[list[jax.Array]], length: int, dtype: Any) -> list[jax.Array]:
     """Each device's parts concatenated and zero-padded to ``length`` elements."""
     rows = []
@@ -104,16 +119,16 @@ class GatherSource:
             self.buffer = self._reduce_scatter(dtype)
 
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
+        # Each device's matrices are runs of static slices of the members' stored views,
+        # concatenated once into the flat buffer: no stacked copy, no gather.
         ch, n = self.channel, self.comm.size
         parts: list[list[jax.Array]] = [[] for _ in range(n)]
         for k in ch.stacks:
             sp = self.owner.stacks[k]
-            x = _take(self._stacked(sp.stack), _owner_major(sp))
-            x = x.reshape(x.shape[0], -1)
-            start = 0
-            for d, c in enumerate(sp.counts):
-                parts[d].append(x[start:start + c].reshape(-1))
-                start += c
+            stored = [m.to_stored(self.leaves[m.index]) for m in sp.stack.members]
+            for d in range(n):
+                for member, lo, hi in _member_runs(sp.stack, sp.slots[d][sp.slots[d] >= 0]):
+                    parts[d].append(stored[member][lo:hi].reshape(-1))
         buffer = jnp.concatenate(_device_rows(parts, ch.length, dtype))
         return self.comm.mean_scatter(buffer, 0)
 
