@@ -54,7 +54,8 @@ class MuonAdamWState(NamedTuple):
 
     ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon
     leaves; a large AdamW parameter's moments may be split over the owner axes (padded).
-    ``muon`` holds the Muon state, one :class:`MuonBuffers` per parameter dtype.
+    ``muon`` holds the Muon state, one :class:`MuonBuffers` per parameter (and momentum)
+    dtype, or on one device per stack.
     :func:`muon_optax.export_state` gives the same state per parameter.
     """
 

@@ -157,10 +157,17 @@ class StackPlan:
         return math.prod(self.second_shape)
 
     @property
-    def state_key(self) -> tuple[Any, Any]:
-        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers."""
+    def state_key(self) -> tuple[Any, ...]:
+        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers.
+
+        Sharing lets each device own a different mix of stacks in buffers as long as the
+        busiest device's total. On one device every stack has buffers of its own (the key
+        adds its first leaf's index), so that its state is updated as a whole array, in
+        place: a slice of a shared buffer that a step reads and rewrites gets copied.
+        """
         mu = self.stack.config.mu_dtype
-        return self.stack.dtype, self.stack.dtype if mu is None else np.dtype(mu)
+        key = (self.stack.dtype, self.stack.dtype if mu is None else np.dtype(mu))
+        return key + (self.stack.members[0].index,) if self.slots.shape[0] == 1 else key
 
 
 
@@ -503,8 +510,8 @@ class TreePlan:
         return self.owner.num_devices
 
     @property
-    def state_keys(self) -> tuple[tuple[Any, Any], ...]:
-        """``(parameter dtype, momentum dtype)`` of each Muon state buffer pair, in order."""
+    def state_keys(self) -> tuple[tuple[Any, ...], ...]:
+        """Each Muon state buffer pair's ``StackPlan.state_key``, in order."""
         return tuple(self.owner.momentum)
 
 

@@ -34,9 +34,10 @@ from muon_optax.transport import Transports
 
 
 class MuonBuffers(NamedTuple):
-    """The Muon state of the matrices of one dtype, as ``(N, L)`` arrays split over the
-    owner axes: row ``d`` is device ``d``'s share, the momenta (resp. NorMuon second
-    moments) of the matrices it owns, back to back, stack by stack."""
+    """The Muon state of the stacks of one state key (dtypes; on one device, a stack), as
+    ``(N, L)`` arrays split over the owner axes: row ``d`` is device ``d``'s share, the
+    momenta (resp. NorMuon second moments) of the matrices it owns, back to back, stack
+    by stack."""
 
     momentum: jax.Array
     second_moment: jax.Array
@@ -129,6 +130,11 @@ def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
     return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
 
 
+def _is_whole(buf: jax.Array, start, size: int) -> bool:
+    """Whether a run of ``size`` elements at ``start`` is all of the state buffer."""
+    return isinstance(start, int) and start == 0 and buf.shape[1] == size
+
+
 def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev):
     """The ``base`` slots every device owns, as one batched program. The new momentum
     goes into its buffer before the polar iteration starts; when ``U`` reads it back (as
@@ -137,16 +143,31 @@ def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, coun
     g, at = moves.load(k, 0, n, prev), _state_at(k, sp, plan, comm, 0)
     state = _read_state(bufs, at, n, sp)
     g32 = g.astype(jnp.float32)
-    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
-                            complement=cfg.momentum_complement())
-    stored = buf32.astype(state.momentum.dtype)
     args = _momentum_args(cfg, count)
-    if reads_back(cfg, stored.dtype):
-        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored))
-        u = momentum_input(g32, _read_state(bufs, at, n, sp).momentum, hp["momentum"], **args)
+    if _is_whole(bufs.momentum, at[0], g.size):
+        # The stack's momentum is a buffer of its own (one device). Computed in the
+        # buffer's flat layout and written once U is, it is updated in place; in the
+        # stack's layout XLA computes it twice (for U and for the buffer) and copies the
+        # old buffer first.
+        mu = hp["momentum"]
+        flat_mu = mu if jnp.ndim(mu) == 0 else jnp.broadcast_to(mu, g.shape).reshape(1, -1)
+        buf32 = momentum_buffer(g32.reshape(1, -1), bufs.momentum, flat_mu,
+                                optax_ema=cfg.optax_ema, complement=cfg.momentum_complement())
+        stored = buf32.astype(bufs.momentum.dtype)
+        read = stored if reads_back(cfg, stored.dtype) else buf32
+        u = momentum_input(g32, read.reshape(g.shape), mu, **args)
+        bufs = bufs._replace(momentum=after(stored, u))
     else:
-        u = momentum_input(g32, buf32, hp["momentum"], **args)
-        bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored, u))
+        buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
+                                complement=cfg.momentum_complement())
+        stored = buf32.astype(state.momentum.dtype)
+        if reads_back(cfg, stored.dtype):
+            bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored))
+            u = momentum_input(g32, _read_state(bufs, at, n, sp).momentum, hp["momentum"],
+                               **args)
+        else:
+            u = momentum_input(g32, buf32, hp["momentum"], **args)
+            bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored, u))
     o, second = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
                                      transposed=hp["transposed"], cfg=cfg, dtype=sp.stack.dtype)
     bufs = bufs._replace(second_moment=_write(bufs.second_moment, at[1], second, o))

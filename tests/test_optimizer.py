@@ -198,7 +198,8 @@ def test_nan_gradient_stays_in_its_stack():
 
 def test_stacks_temporaries_are_not_alive_together():
     # Without sequencing, XLA interleaves the two stacks' polar iterations and keeps both
-    # sets of buffers: 3.25x the largest stack's gradient bytes here; 2.06x with it.
+    # sets of buffers: 3.25x the largest stack's gradient bytes here; 2.06x with it. With
+    # the momentum a slice of a buffer shared by the stacks, XLA copied it: 2.56x.
     params, tx = _two_stack_problem()
 
     def step(p, s, g):
@@ -210,4 +211,4 @@ def test_stacks_temporaries_are_not_alive_together():
     temp = compiled.memory_analysis().temp_size_in_bytes
     largest = max(i["size"] * i["shape"][0] * i["shape"][1] * 4
                   for i in tx.init.stack_info(params))
-    assert temp <= 3 * largest, temp / largest
+    assert temp <= 2.25 * largest, temp / largest
