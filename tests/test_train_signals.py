@@ -223,6 +223,9 @@ def test_second_sigint_during_a_save_aborts_cleanly(procs, tmp_path, corpus):
     run = procs.start("slow", 3, *common, script=wrapper)
     procs.until(lambda: logged_steps(out) >= 6, [run], RUN_TIMEOUT_S, "five steps")
     os.kill(run.pid, signal.SIGINT)
+    # Two SIGINTs that arrive before Python runs the handler are one: wait until it has.
+    procs.until(lambda: "SIGINT received: stopping" in procs.output(run), [run],
+                STOP_TIMEOUT_S, "the first SIGINT handled")
 
     def unfinished():
         ckpt = out / "ckpt"

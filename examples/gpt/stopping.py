@@ -19,9 +19,10 @@ routes signals into it:
   (``multihost_utils.process_allgather``), so that all exit with one status: 130 if any
   process got SIGINT, else 143 (SIGTERM).
 
-A second signal while stopping (e.g. Ctrl-C during the checkpoint write) raises
-``Aborted``: no checkpoint of this step; the temporary folder of an unfinished write is
-removed when the next run opens the checkpoints (orbax's ``cleanup_tmp_directories``).
+A second signal while stopping (e.g. Ctrl-C during the checkpoint write) ends the process
+at once, from the handler (:func:`abort`): no checkpoint of this step; the temporary
+folder of an unfinished write is removed when the next run opens the checkpoints (orbax's
+``cleanup_tmp_directories``).
 
 Limits of jax's protocol, as used here: it places the stop one past the furthest step
 any process has reported. A run reports its start step before it compiles
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 EXIT_SIGINT = 130   # 128 + SIGINT, what shells report for Ctrl-C
@@ -44,8 +46,24 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM
 SIGNAL_NAMES = {EXIT_SIGINT: "SIGINT", EXIT_SIGTERM: "SIGTERM"}
 
 
-class Aborted(KeyboardInterrupt):
-    """A second signal: stop at once, without finishing the step or the checkpoint."""
+ABORT_MESSAGE = ("\ntrain.py: aborted by a second signal: no checkpoint of this step (the next "
+                 "start removes an unfinished one); --resume continues from the last complete "
+                 "checkpoint\n")
+
+
+def abort() -> None:
+    """A second signal: one line, then exit 130 at once, without finishing the step or
+    the checkpoint.
+
+    Not an exception: raised in the main thread wherever it is, it would unwind through
+    orbax's writer, whose clean-up may join the thread of the very write being aborted
+    and wait for it (a test saw a process hang there under load). ``os._exit`` leaves
+    orbax's threads where they are; the next start removes what they left.
+    """
+    sys.stdout.flush()
+    sys.stderr.write(ABORT_MESSAGE)
+    sys.stderr.flush()
+    os._exit(EXIT_SIGINT)
 
 
 class StopSignals:
@@ -63,8 +81,11 @@ class StopSignals:
 
     def _handler(self, signum, frame) -> None:
         if self.received:
-            raise Aborted
+            abort()
         self.received = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
+        sys.stderr.write(f"\ntrain.py: {SIGNAL_NAMES[self.received]} received: stopping after "
+                         "this step with a checkpoint (a second signal aborts at once)\n")
+        sys.stderr.flush()
         if self.distributed:
             # jax's preemption notifier catches SIGTERM and starts the agreement.
             os.kill(os.getpid(), signal.SIGTERM)

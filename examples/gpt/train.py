@@ -62,7 +62,7 @@ if importlib.util.find_spec("muon_optax") is None:  # a checkout without `pip in
 
 # numpy and the standard library only: no jax before the arguments are checked
 from data import DEFAULT_MAX_BYTES, VOCAB_SIZE, ByteDataset  # noqa: E402
-from stopping import EXIT_SIGINT, EXIT_SIGTERM, SIGNAL_NAMES, Aborted, StopSignals  # noqa: E402
+from stopping import EXIT_SIGINT, EXIT_SIGTERM, SIGNAL_NAMES, StopSignals  # noqa: E402
 
 # The default run: ~4 minutes on 2 idle CPU cores (see the notes in the README section).
 DEFAULT_DEPTH = 3
@@ -81,7 +81,6 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = EXIT_SIGINT
 EXIT_TERMINATED = EXIT_SIGTERM
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
-_aborted = False  # set by main() after a second signal; see the __main__ block
 
 
 class UsageError(Exception):
@@ -288,7 +287,6 @@ def _simulate_cpu_devices(n: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status: 0; 1 if training diverged; 2 for
     usage errors (and a model too big for the devices); 130 after SIGINT, 143 after SIGTERM."""
-    global _aborted
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
@@ -300,12 +298,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except Aborted:
-        _aborted = True
-        print("\ntrain.py: aborted by a second signal: no checkpoint of this step (the next "
-              "start removes an unfinished one); --resume continues from the last complete "
-              "checkpoint", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("\ninterrupted (no checkpoint written)", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -956,12 +948,4 @@ def _run_steps(ctx: Context, run: Run, stop: StopSignals) -> None:
 
 
 if __name__ == "__main__":
-    status = main()
-    if _aborted:
-        # A second signal: orbax's writer threads may still be busy with the checkpoint
-        # being aborted; exit without waiting for them (its temporary folder is removed
-        # by the next start).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)
+    sys.exit(main())
