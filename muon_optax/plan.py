@@ -386,9 +386,6 @@ class OwnerPlan:
     second: dict[Any, Channel]       # state key -> their NorMuon second moments
     local_slots: dict[int, list[list[tuple[int, int]]]]  # stack -> device -> (member, b)
 
-    def state_dtype(self, k: int) -> Any:
-        return self.stacks[k].stack.dtype
-
     def device_flops(self, cost=None) -> list[float]:
         """Each device's Muon FLOPs (``cost(stack)`` per matrix; default: as run here)."""
         cost = cost or executed_flops

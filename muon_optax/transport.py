@@ -29,12 +29,6 @@ from muon_optax.polar import after
 from muon_optax.sharding import Collectives
 
 
-def _owner_major(sp: StackPlan) -> np.ndarray:
-    """Stack indices sorted by owner, then slot: device d's matrices are a contiguous run."""
-    return np.concatenate([row[row >= 0] for row in sp.slots]) if sp.slots.size else \
-        np.zeros(0, np.int64)
-
-
 def _take(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
     """``x`` indexed along ``axis`` by a static index: a no-op for the identity."""
     index = np.asarray(index)
@@ -56,6 +50,16 @@ def _member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]
         else:
             runs.append((member, local, local + 1))
     return runs
+
+
+def _owned_parts(sp: StackPlan, members: list[jax.Array],
+                 parts: list[list[jax.Array]]) -> None:
+    """Appends to ``parts[d]`` device ``d``'s matrices of stack ``sp``, in slot order, each
+    flattened: runs of static slices of ``members`` (one array per stack member, its
+    matrices on the leading axis), so no stacked copy and no gather."""
+    for d, row in enumerate(sp.slots):
+        for member, lo, hi in _member_runs(sp.stack, row[row >= 0]):
+            parts[d].append(members[member][lo:hi].reshape(-1))
 
 
 def _device_rows(parts: list[list[jax.Array]], length: int, dtype: Any) -> list[jax.Array]:
@@ -119,16 +123,12 @@ class GatherSource:
             self.buffer = self._reduce_scatter(dtype)
 
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
-        # Each device's matrices are runs of static slices of the members' stored views,
-        # concatenated once into the flat buffer: no stacked copy, no gather.
-        ch, n = self.channel, self.comm.size
-        parts: list[list[jax.Array]] = [[] for _ in range(n)]
+        ch = self.channel
+        parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
         for k in ch.stacks:
             sp = self.owner.stacks[k]
-            stored = [m.to_stored(self.leaves[m.index]) for m in sp.stack.members]
-            for d in range(n):
-                for member, lo, hi in _member_runs(sp.stack, sp.slots[d][sp.slots[d] >= 0]):
-                    parts[d].append(stored[member][lo:hi].reshape(-1))
+            _owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
+                         parts)
         buffer = jnp.concatenate(_device_rows(parts, ch.length, dtype))
         return self.comm.mean_scatter(buffer, 0)
 
@@ -247,16 +247,12 @@ class ExchangeSource:
         parts: list[list[jax.Array]] = [[] for _ in range(n)]
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            x = _take(self._pieces(sp, leaves), _owner_major(sp))
-            start = 0
-            for d, c in enumerate(sp.counts):
-                parts[d].append(x[start:start + c].reshape(-1))
-                start += c
+            _owned_parts(sp, self._pieces(sp, leaves), parts)
         self.received = comm.exchange(jnp.stack(_device_rows(parts, self.channel.length,
                                                              dtype)))
 
-    def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> jax.Array:
-        """``(K, piece)``: this device's sub-piece of every matrix of the stack."""
+    def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> list[jax.Array]:
+        """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
         out = []
         for m, route in zip(sp.stack.members, sp.routes):
             blocks = m.split_batch(leaves[m.index]).reshape(m.batch, route.block_size)
@@ -266,7 +262,7 @@ class ExchangeSource:
             blocks = blocks.reshape(m.batch, route.replicas, route.piece)
             j = self.comm.pick(np.asarray(route.replica_of))
             out.append(_dynamic_slice(blocks, j, 1, 1)[:, 0])
-        return jnp.concatenate(out) if len(out) > 1 else out[0]
+        return out
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
         del prev
