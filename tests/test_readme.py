@@ -5,6 +5,10 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
+import optax
+
+import muon_optax
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
@@ -25,7 +29,7 @@ def run(*codes: str) -> dict:
 
 
 def test_quickstart_runs():
-    ns = run(BLOCKS[0])
+    ns = run(block("# other >=2-D -> \"muon\""))
     assert "params" in ns and "state" in ns
 
 
@@ -35,6 +39,25 @@ def test_zero2_snippet_and_its_continuations_run():
              block("muon_optax.import_state("))
     assert len(ns["est"]["state_bytes"]) == 256
     assert jax.tree.structure(ns["state1"]) == jax.tree.structure(ns["one"].init(ns["params"]))
+
+
+def test_zero2_snippet_step_equals_one_device_on_the_global_batch():
+    # The snippet as pasted, its last line (the step) run apart: the params before it are
+    # the one-device step's starting point.
+    code = block("state = jax.jit(jax.shard_map(tx.init")
+    setup, last = code.rstrip().rsplit("\n", 1)
+    assert last.startswith("params, state = step("), last
+    ns = run(setup)
+    before = ns["params"]
+    exec(compile(last, "README.md ZeRO-2 step", "exec"), ns)
+    one = muon_optax.muon_adamw(ns["groups"], muon_optax.label_by_path([("embed", "adamw")]))
+    grads = jax.grad(ns["loss_fn"])(before, ns["tokens"])   # the mean over the global batch
+    updates, _ = one.update(grads, one.init(before), before)
+    expected = optax.apply_updates(before, updates)
+    for k in expected:
+        change = np.asarray(expected[k]) - np.asarray(before[k])
+        np.testing.assert_allclose(np.asarray(ns["params"][k]) - np.asarray(before[k]), change,
+                                   rtol=0, atol=1e-5 * np.abs(change).max(), err_msg=k)
 
 
 def test_contrib_snippet_runs():
