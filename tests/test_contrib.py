@@ -172,9 +172,9 @@ def test_sharded_contrib_muon_matches_optax(mode):
     kw = CASES["dimension_numbers_batch_axes_aol_adaptive"]
     want = param_changes(optax.contrib.muon(**kw))
     n = 8
-    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
     params = p0 = random_tree(0)
     if mode == "fsdp":
+        mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
         tx = muon_optax.contrib_muon(**kw, axis_name="data", mesh=mesh)
         spec = lambda x: P("data") if x.ndim >= 2 and x.shape[0] % n == 0 else P()  # noqa: E731
         put = lambda t: jax.tree.map(  # noqa: E731
@@ -193,7 +193,7 @@ def test_sharded_contrib_muon_matches_optax(mode):
         put = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), t)  # noqa
     for s in range(10):
         grads = random_tree(100 + s)
-        updates, state = step(put(grads) if mode == "fsdp" else put(grads), state, params)
+        updates, state = step(put(grads), state, params)
         params = optax.apply_updates(params, updates)
     for (path, w), g, a in zip(jax.tree_util.tree_flatten_with_path(want)[0],
                                jax.tree.leaves(params), jax.tree.leaves(p0)):

@@ -28,11 +28,6 @@ def build(groups=None, labels=None, **kw):
     return muon_optax.muon_adamw(groups, labels, **kw)
 
 
-def init_both_ways(tx, params):
-    """Runs ``tx.init`` eagerly and under jit; both must raise the same Python error."""
-    return [lambda: tx.init(params), lambda: jax.jit(tx.init)(params)]
-
-
 # ----------------------------------------------------------------------------- leaves and labels
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -60,10 +60,6 @@ def assert_changes_close(before, got, want, dtype, rtol):
         assert err <= allowed, f"{k}: relative error {rel:.2e} > {rtol}"
 
 
-def unpad(x, shape):
-    return np.asarray(x)[tuple(slice(0, n) for n in shape)]
-
-
 def run_sharded(step, params, state, steps, n, dtype, first=0):
     for s in range(first, first + steps):
         params, state = step(params, state, sp.device_grads(s, range(n), dtype))

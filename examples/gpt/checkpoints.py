@@ -141,7 +141,9 @@ class Checkpoints:
         ocp = self.ocp
         if stop:
             self.manager.stop_step = step
-        self.wait()  # orbax would wait for the previous write too, in a blocking join
+        # Wait first: orbax's should_save says no while a write is in flight, and with the
+        # previous write done a second Ctrl-C can only lose the one being written.
+        self.wait()  # (orbax would wait too, in a blocking join)
         if self.manager.latest_step() == step or not (force or self.manager.should_save(step)):
             return False
         if callable(opt_state):

@@ -13,8 +13,6 @@ import json
 import math
 from pathlib import Path
 
-from data import bits_per_byte
-
 
 def strict_record(record: dict) -> dict:
     """``record`` with non-finite floats replaced by None and listed under ``"nonfinite"``."""
@@ -144,10 +142,9 @@ def summary_lines(name: str, result: dict, tokens_per_step: int) -> list[str]:
     lines = [line]
     if val:
         first, last = val[0], val[-1]
-        first_bpb = None if first["val_loss"] is None else bits_per_byte(first["val_loss"])
         lines.append(f"         val loss {_number(first['val_loss'], '.4f')} (step "
                      f"{first['step']}) -> {_number(last['val_loss'], '.4f')} (step "
-                     f"{last['step']}); bits per byte {_number(first_bpb, '.3f')} -> "
+                     f"{last['step']}); bits per byte {_number(first['val_bpb'], '.3f')} -> "
                      f"{_number(last['val_bpb'], '.3f')}")
     lines.append(f"         log {result['log']}, checkpoints {result['ckpt_dir']}")
     return lines

@@ -79,7 +79,6 @@ DEFAULT_ADAMW_LR = 5e-3
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = EXIT_SIGINT
-EXIT_TERMINATED = EXIT_SIGTERM
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -324,7 +323,6 @@ class Context:
     is_main: bool            # process 0: writes logs, plots, prints
     warmup_steps: int
     lr_scale: float
-    dtype: object
     estimate: object = None  # memory.Estimate
 
     @property
@@ -420,7 +418,7 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
                   _param_initializer(cfg, args.seed, dtype,
                                      place.shardings(place.param_specs(abstract_params))),
                   devices, mesh,
-                  place, jax.process_index() == 0, warmup, lr_scale, dtype)
+                  place, jax.process_index() == 0, warmup, lr_scale)
     ctx.estimate = _estimate_memory(ctx)
     if ctx.is_main:
         _print_plan(ctx)
