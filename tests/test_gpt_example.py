@@ -129,7 +129,9 @@ def test_ctrl_c_saves_and_resume_repeats_the_run(baseline, corpus, tmp_path, mon
 # The resid/x0 lambdas frozen: one device and N devices then differ by rounding only.
 # At init every block is the identity (zero c_proj) and the final RMSNorm removes the
 # residual stream's scale, so the lambdas' gradient is zero but for rounding (float64:
-# 5.8e-10; float32: 4.7e-10 to 8.1e-10 by summation order, so by mode and jax version).
+# 5.8e-10; float32: 4.7e-10 to 8.1e-10 by summation order, and by jax version: 0.12's tanh
+# derivative in the logit softcap, (1+t)(1-t), differs from 0.10's by an ulp, and 0.12 with
+# 0.10's rule repeats 0.10's curves to 1e-6).
 # AdamW (eps 1e-10) makes of it a step of nearly lr whose size varies by up to 8%, and the
 # loss curves of 4-device FSDP and one device drift by up to 1e-3 (seed 0) or 3e-2 (seed 4),
 # on jax 0.10 and 0.12 alike. With --scalar-lr 1e-6: 3e-7 (seed 0) and 3e-6 (seed 4).
