@@ -8,6 +8,7 @@ stand-ins (shell scripts that answer like ``python3.X``, ``pyenv`` and a venv's 
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,14 @@ def test_runs_both_legs_and_fails_when_pytest_collects_nothing(repo):
     pins = (repo / "pip.log").read_text().splitlines()
     assert pins == [f"3.11.7 {repo}/repo/.ci/oldest-jax.txt", "3.13.0 none"]
     assert "jax==0.10.*" in (repo / "repo" / ".ci" / "oldest-jax.txt").read_text()
+
+
+def test_pyproject_readme_and_ci_name_the_same_oldest_jax_and_python():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    oldest = next(d for d in project["dependencies"] if d.startswith("jax>=")).split()[0][5:]
+    python = project["requires-python"].removeprefix(">=")
+    assert f"jax=={oldest}.*" in (ROOT / ".ci" / "oldest-jax.txt").read_text().splitlines()
+    assert f"Programming Language :: Python :: {python}" in project["classifiers"]
+    install = (ROOT / "README.md").read_text().split("## Install\n")[1].split("\n## ")[0]
+    assert f"Python {python}+, jax {oldest} or newer" in install
+    assert re.search(rf"jax {re.escape(oldest)}\.\d+ on Python {re.escape(python)}\.\d+", install)
