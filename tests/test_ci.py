@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("dirname", "rm", "mktemp", "chmod", "grep", "sort", "mkdir", "cat", "cp")
+TOOLS = ("dirname", "rm", "mktemp", "chmod", "sort", "mkdir", "cat")
 
 # A Python of the given version: answers --version and the script's two -c questions; as
 # python3 it makes a fake .venv whose pip logs PIP_CONSTRAINT and whose pytest exits with
@@ -85,17 +85,15 @@ def test_passes_over_a_pyenv_shim_that_does_not_run(repo):
     assert f"newest leg: the newest jax on {repo}/bin/python3.12, Python 3.12.1" in res.stdout
 
 
-def test_finds_the_newest_of_pyenvs_versions(repo):
-    fake_python(repo / "pyenv" / "3.13.0" / "bin" / "python3", "3.13.0")
-    fake_python(repo / "pyenv" / "3.12.1" / "bin" / "python3", "3.12.1")
-    _script(repo / "bin" / "pyenv", f"""#!/bin/sh
-case "$1" in
-  versions) printf '3.11.7\\n3.12.1\\n3.13.0\\nminiconda3-latest\\n' ;;
-  prefix) echo "{repo}/pyenv/$2" ;;
-esac
-""")
+@pytest.mark.parametrize("on_path", [True, False], ids=["pyenv on PATH", "only ~/.pyenv"])
+def test_finds_the_newest_of_pyenvs_versions(repo, on_path):
+    root = repo / (".pyenv" if not on_path else "elsewhere")
+    for version in ("3.9.18", "3.11.7", "3.12.1", "3.13.0"):
+        fake_python(root / "versions" / version / "bin" / "python3", version)
+    if on_path:
+        _script(repo / "bin" / "pyenv", f"#!/bin/sh\n[ \"$1\" = root ] && echo {root}\n")
     res = ci(repo)
-    assert f"newest leg: the newest jax on {repo}/pyenv/3.13.0/bin/python3, Python 3.13.0" \
+    assert f"newest leg: the newest jax on {root}/versions/3.13.0/bin/python3, Python 3.13.0" \
         in res.stdout
 
 
