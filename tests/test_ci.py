@@ -40,7 +40,7 @@ def _script(path: Path, text: str) -> None:
 
 
 def fake_python(path: Path, version: str) -> None:
-    too_old = int(tuple(map(int, version.split(".")[:2])) < (3, 12))
+    too_old = int(tuple(int(re.match(r"\d+", v)[0]) for v in version.split(".")[:2]) < (3, 12))
     _script(path, PYTHON.format(version=version, too_old=too_old))
 
 
@@ -88,7 +88,7 @@ def test_passes_over_a_pyenv_shim_that_does_not_run(repo):
 @pytest.mark.parametrize("on_path", [True, False], ids=["pyenv on PATH", "only ~/.pyenv"])
 def test_finds_the_newest_of_pyenvs_versions(repo, on_path):
     root = repo / (".pyenv" if not on_path else "elsewhere")
-    for version in ("3.9.18", "3.11.7", "3.12.1", "3.13.0"):
+    for version in ("3.9.18", "3.11.7", "3.12.1", "3.13.0", "3.14.0t", "3.15-dev"):
         fake_python(root / "versions" / version / "bin" / "python3", version)
     if on_path:
         _script(repo / "bin" / "pyenv", f"#!/bin/sh\n[ \"$1\" = root ] && echo {root}\n")
