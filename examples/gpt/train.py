@@ -61,6 +61,7 @@ if importlib.util.find_spec("muon_optax") is None:  # a checkout without `pip in
     sys.path.insert(0, str(HERE.parents[1]))
 
 # numpy and the standard library only: no jax before the arguments are checked
+from checkpoints import CheckpointError  # noqa: E402
 from data import DEFAULT_MAX_BYTES, VOCAB_SIZE, ByteDataset  # noqa: E402
 from stopping import EXIT_SIGINT, EXIT_SIGTERM, SIGNAL_NAMES, StopSignals  # noqa: E402
 
@@ -77,6 +78,7 @@ DEFAULT_EVAL_BATCHES = 16
 DEFAULT_ADAMW_LR = 5e-3
 
 EXIT_DIVERGED = 1
+EXIT_FAILED = 1  # a checkpoint could not be written
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = EXIT_SIGINT
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -197,6 +199,10 @@ _AT_LEAST_ONE = ("steps", "depth", "head_dim", "batch_size", "seq_len", "devices
 _AT_LEAST_ZERO = ("eval_every", "ckpt_every")
 _LEARNING_RATES = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "adamw_lr")
 _FRACTIONS = ("warmdown_frac", "final_lr_frac")
+MAX_STEPS = 2**31 - 1    # optax counts steps in int32
+MAX_SEED = 2**63 - 1     # jax.random.key takes an int64
+FLOAT32_MAX = 3.4028234663852886e38
+REFERENCE_D_MODEL = 768  # optim_setup's: the AdamW lrs scale by (width / 768) ** -0.5
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -207,6 +213,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for name in _AT_LEAST_ZERO:
         if getattr(args, name) < 0:
             raise UsageError(f"{_flag(name)} must be >= 0, got {getattr(args, name)}")
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps must be <= {MAX_STEPS:,} (optax counts steps in int32), "
+                         f"got {args.steps:,}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
     if args.head_dim % 2:
         raise UsageError(f"--head-dim must be even (rotary embeddings turn channel pairs), "
                          f"got {args.head_dim}")
@@ -233,6 +244,34 @@ def _check_numbers(args: argparse.Namespace) -> None:
                              f"got {args.lr_scale!r}") from None
 
 
+def model_width(depth: int, head_dim: int) -> int:
+    """``GPTConfig.from_depth``'s width: 64 per layer, rounded up to whole heads."""
+    return -(-64 * depth // head_dim) * head_dim
+
+
+def param_count(depth: int, head_dim: int) -> int:
+    """The GPT's parameter count from its config alone: embedding and unembedding
+    (256 x width each), per layer four width^2 attention and two 4 width^2 MLP matrices
+    and two scalars."""
+    d = model_width(depth, head_dim)
+    return 2 * VOCAB_SIZE * d + depth * (12 * d * d + 2)
+
+
+def _check_learning_rates(args: argparse.Namespace) -> None:
+    """The learning rates as the optimizer will use them (times --lr-scale, the AdamW
+    ones times nanochat's width factor) must be finite in float32, and so must their
+    product with the weight decay."""
+    scale = (math.sqrt(args.batch_size * args.seq_len / 2**19) if args.lr_scale == "nanochat"
+             else float(args.lr_scale))
+    width_factor = max(1.0, (model_width(args.depth, args.head_dim) / REFERENCE_D_MODEL) ** -0.5)
+    for name in _LEARNING_RATES:
+        lr = getattr(args, name) * (1.0 if name == "adamw_lr" else scale * width_factor)
+        if not lr * max(1.0, args.weight_decay) <= FLOAT32_MAX:
+            raise UsageError(f"{_flag(name)} {getattr(args, name)} times --lr-scale "
+                             f"{args.lr_scale} (and --weight-decay {args.weight_decay}) "
+                             f"overflows float32: lower them")
+
+
 def _check_devices(args: argparse.Namespace) -> None:
     if not args.distributed and args.batch_size % args.devices:
         raise UsageError(
@@ -255,11 +294,15 @@ def _check_out(args: argparse.Namespace) -> None:
         if path.exists():
             if not path.is_dir():
                 raise UsageError(f"--out {args.out}: {path} is a file, not a directory")
-            return
+            break
+    for ckpt in (out / "ckpt", out / "adamw" / "ckpt"):
+        if args.resume and ckpt.exists() and not ckpt.is_dir():
+            raise UsageError(f"--resume: {ckpt} is a file, not a checkpoint directory")
 
 
 def _check_args(args: argparse.Namespace) -> None:
     _check_numbers(args)
+    _check_learning_rates(args)
     _check_devices(args)
     _check_out(args)
 
@@ -297,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except CheckpointError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("\ninterrupted (no checkpoint written)", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -407,6 +453,7 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
         mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,),
                              devices=devices)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    _check_size(args, devices)
     cfg, graphdef, abstract_params, rest = _abstract_model(args, dtype)
     place = Layout(mesh, fsdp=args.fsdp)
     warmup = args.warmup_steps
@@ -424,6 +471,22 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
         _print_plan(ctx)
     _check_fits(ctx)
     return ctx
+
+
+def _check_size(args: argparse.Namespace, devices: list) -> None:
+    """Refuses, from the config's arithmetic alone (before the model's shapes are traced,
+    which takes minutes for a huge one), a model whose float32 params and gradients
+    alone exceed a device's memory; ``_check_fits`` checks the whole estimate later."""
+    import jax
+    import memory
+
+    n = param_count(args.depth, args.head_dim)
+    need = 2 * 4 * n // (len(devices) if args.fsdp else 1)
+    limit, what = memory.device_memory(devices[0], jax.local_device_count())
+    if limit is not None and need > limit:
+        raise UsageError(f"the model does not fit: depth {args.depth} and head dim "
+                         f"{args.head_dim} make {n:,} params, {memory.fmt(need)} per device "
+                         f"for params and gradients alone, but {what}; lower --depth")
 
 
 def _count_params(params) -> int:
@@ -502,14 +565,22 @@ def _or_fsdp(ctx: Context) -> str:
 
 
 def _prepare_out(ctx: Context) -> None:
-    """Creates ``--out``; a fresh start (no ``--resume``) removes an earlier run's
-    checkpoints and its ``adamw/`` run."""
+    """Creates ``--out`` and checks that it and the checkpoint directories take a file;
+    then a fresh start (no ``--resume``) removes an earlier run's checkpoints and its
+    ``adamw/`` run."""
+    from checkpoints import check_writable
+
     a, out = ctx.args, Path(ctx.args.out)
     if ctx.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--out {a.out}: cannot create the directory ({e})") from None
+        try:
+            for path in [out] + [d / "ckpt" for _, d in ctx.runs if (d / "ckpt").is_dir()]:
+                check_writable(path)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
         stale = [p for p in (out / "ckpt", out / "adamw") if p.exists()] if not a.resume else []
         if stale:
             print(f"starting afresh: removing {' and '.join(str(p.resolve()) for p in stale)} "
@@ -753,7 +824,7 @@ class Run:
     opt_state: object = None
     train: object = None     # the compiled train step
     peak_lr: float = 0.0
-    lr_mults: object = None  # the lr multiplier of every step (numpy)
+    lr_mult: object = None   # jitted step -> the lr multiplier of that step
     end: int = 0
     stopped: bool = False
     diverged: bool = False
@@ -775,9 +846,10 @@ def _open_checkpoints(ctx: Context, name: str, run_dir: Path, kind: str):
 
     a = ctx.args
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpts = Checkpoints(run_dir / "ckpt", a.keep_ckpts, a.ckpt_every)
-    start = ckpts.latest() if a.resume else None
-    if start is None:
+    ckpts = Checkpoints(run_dir / "ckpt", a.keep_ckpts, a.ckpt_every, main=ctx.is_main)
+    if a.resume and ckpts.latest() is not None:
+        start = _intact_start(ctx, name, ckpts)
+    else:
         if a.resume and ctx.is_main:
             print(f"[{name}] --resume: no checkpoint in {ckpts.directory}; starting from step 0")
         return ckpts, 0, None
@@ -795,6 +867,26 @@ def _open_checkpoints(ctx: Context, name: str, run_dir: Path, kind: str):
         ckpts.close()
         raise UsageError(f"--resume: the checkpoint in {ckpts.directory / str(start)} {problem}")
     return ckpts, start, meta
+
+
+def _intact_start(ctx: Context, name: str, ckpts) -> int:
+    """The newest checkpoint whose files match their checksum; newer, damaged ones are
+    set aside with a line each; none intact: refused in one line."""
+    start, damaged = ckpts.find_intact()
+    if start is None:
+        ckpts.close()
+        raise UsageError(f"--resume: no intact checkpoint in {ckpts.directory} (" + "; ".join(
+            f"step {step}: {problem}" for step, problem in damaged)
+            + "); start afresh without --resume")
+    if damaged:
+        _sync(ctx, "train.py: checkpoints verified")  # every process has read them
+        if ctx.is_main:
+            for (step, problem), aside in zip(damaged, ckpts.set_aside(damaged), strict=True):
+                print(f"train.py: [{name}] checkpoint of step {step} is damaged ({problem}): "
+                      f"moved to {aside}; resuming from step {start}", file=sys.stderr)
+        _sync(ctx, "train.py: damaged checkpoints set aside")
+    ckpts.adopt(start)
+    return start
 
 
 def _initial_state(ctx: Context, run: Run) -> None:
@@ -837,7 +929,6 @@ def _on(where: dict) -> str:
 
 def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
     import jax
-    import numpy as np
     from checkpoints import OPTAX, PORTABLE
     from optim_setup import lr_multiplier
 
@@ -848,8 +939,8 @@ def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
     steps = _build_steps(ctx, tx, sharded)
     run = Run(name, run_dir, steps, _state_form(ctx, name, tx, steps), ckpts,
               _config_key(ctx, name), start, saved, end=start, peak_lr=_peak_lr(ctx, name))
-    run.lr_mults = np.asarray(jax.jit(jax.vmap(lr_multiplier(
-        a.steps, ctx.warmup_steps, a.warmdown_frac, a.final_lr_frac)))(np.arange(a.steps)))
+    run.lr_mult = jax.jit(lr_multiplier(a.steps, ctx.warmup_steps, a.warmdown_frac,
+                                        a.final_lr_frac))
     return run
 
 
@@ -896,6 +987,8 @@ def _compile(ctx: Context, run: Run) -> None:
 
 def _step(ctx: Context, run: Run, step: int) -> dict:
     """Trains on step ``step``'s batch; returns its log record."""
+    import numpy as np
+
     t0 = time.perf_counter()
     x, y = ctx.dataset.batch(step)
     run.params, run.opt_state, loss = run.train(run.params, run.opt_state, ctx.place.batch(x),
@@ -903,7 +996,7 @@ def _step(ctx: Context, run: Run, step: int) -> dict:
     loss = _scalar(loss)
     dt = time.perf_counter() - t0
     run.train_s += dt
-    mult = float(run.lr_mults[step])
+    mult = float(run.lr_mult(np.int32(step)))
     return {"step": step + 1, "loss": loss, "lr_mult": mult, "lr": run.peak_lr * mult,
             "tokens_per_s": ctx.args.batch_size * ctx.args.seq_len / dt}
 
