@@ -73,6 +73,10 @@ def refused(capsys, argv, *expected):
     (["--embedding-lr", "1e38"], "overflows float32"),
     (["--head-dim", "1000000"], ("does not fit", "head dim 1000000")),
     (["--depth", "1000"], ("does not fit", "depth 1000")),
+    (["--distributed", "--coordinator", "notahost:abc"], "the port must be a number"),
+    (["--distributed", "--coordinator", "127.0.0.1"], "--coordinator must be host:port"),
+    (["--distributed", "--coordinator", "no-such-host.invalid:1234"], "cannot resolve host"),
+    (["--distributed", "--init-timeout", "0"], "--init-timeout must be >= 1"),
 ])
 def test_numbers_out_of_range_are_refused(capsys, tmp_path, corpus, flags, expected):
     expected = (expected,) if isinstance(expected, str) else expected

@@ -78,7 +78,7 @@ DEFAULT_EVAL_BATCHES = 16
 DEFAULT_ADAMW_LR = 5e-3
 
 EXIT_DIVERGED = 1
-EXIT_FAILED = 1  # a checkpoint could not be written
+EXIT_FAILED = 1  # a checkpoint could not be written, a process was lost
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = EXIT_SIGINT
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -86,6 +86,10 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 class UsageError(Exception):
     """A problem with the command line or the data: reported as one line, exit status 2."""
+
+
+class RunFailed(Exception):
+    """A run that cannot go on (a lost process): reported as one line, exit status 1."""
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -188,6 +192,9 @@ def _device_flags(dev) -> None:
                      help="with --distributed: process count (default: auto-detect)")
     dev.add_argument("--process-id", type=int, default=None,
                      help="with --distributed: this process's index (default: auto-detect)")
+    dev.add_argument("--init-timeout", type=int, default=300,
+                     help="with --distributed: seconds to wait at the start for every process "
+                          "to join; then one line and exit 2")
 
 
 def _flag(name: str) -> str:
@@ -195,7 +202,7 @@ def _flag(name: str) -> str:
 
 
 _AT_LEAST_ONE = ("steps", "depth", "head_dim", "batch_size", "seq_len", "devices",
-                 "eval_batches", "keep_ckpts")
+                 "eval_batches", "keep_ckpts", "init_timeout")
 _AT_LEAST_ZERO = ("eval_every", "ckpt_every")
 _LEARNING_RATES = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "adamw_lr")
 _FRACTIONS = ("warmdown_frac", "final_lr_frac")
@@ -280,11 +287,30 @@ def _check_devices(args: argparse.Namespace) -> None:
     if not args.distributed and (args.coordinator or args.num_processes is not None
                                  or args.process_id is not None):
         raise UsageError("--coordinator / --num-processes / --process-id need --distributed")
+    if args.coordinator is not None:
+        _check_coordinator(args.coordinator)
     if args.num_processes is not None and args.num_processes < 1:
         raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.process_id is not None and not (
             0 <= args.process_id < (args.num_processes or args.process_id + 1)):
         raise UsageError(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+
+
+def _check_coordinator(address: str) -> None:
+    """``host:port``, the port a number in 1..65535 and the host known to the resolver
+    (jax crashes on either, or waits for minutes)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise UsageError(f"--coordinator must be host:port, got {address!r}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--coordinator {address}: the port must be a number in 1..65535, "
+                         f"got {port!r}")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except (OSError, UnicodeError) as e:
+        raise UsageError(f"--coordinator {address}: cannot resolve host {host!r} ({e})") from None
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -340,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except CheckpointError as e:
+    except (CheckpointError, RunFailed) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
@@ -382,12 +408,40 @@ class Context:
 
 
 def _init_distributed(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize``, said before it waits, and bounded by
+    ``--init-timeout``: jax's own timeout ends the process with an abort (status 134)
+    after its tracebacks, so a watchdog says so in one line first and exits 2."""
+    import threading
+
     import jax
 
     # The agreed stop relies on jax's preemption service (on by default): keep it on.
     jax.config.update("jax_enable_preemption_service", True)
-    jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes, process_id=args.process_id)
+    where = f" at {args.coordinator}" if args.coordinator else ""
+    print(f"train.py: joining the other processes{where} (waiting up to {args.init_timeout} s, "
+          f"--init-timeout)", file=sys.stderr, flush=True)
+
+    def give_up():
+        sys.stderr.write(f"train.py: error: not every process joined within {args.init_timeout}"
+                         f" s (--init-timeout): start every process with the same --coordinator "
+                         f"and --num-processes, or check the network\n")
+        sys.stderr.flush()
+        os._exit(EXIT_USAGE)
+
+    watchdog = threading.Timer(args.init_timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(coordinator_address=args.coordinator,
+                                   num_processes=args.num_processes, process_id=args.process_id,
+                                   initialization_timeout=args.init_timeout + 60)
+    except (ValueError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--distributed: jax.distributed.initialize failed ({first}); off a "
+                         "cluster it detects (SLURM, Open MPI, Cloud TPU), pass --coordinator "
+                         "host:port, --num-processes and --process-id") from None
+    finally:
+        watchdog.cancel()
 
 
 def _pick_devices(args: argparse.Namespace) -> list:
@@ -666,8 +720,31 @@ def _run_optimizers(ctx: Context) -> tuple[dict, int, list[int]]:
     except Exception as e:
         if memory.is_out_of_memory(e):
             raise UsageError(_out_of_memory_message(ctx)) from None
+        if ctx.args.distributed and _is_peer_lost(e):
+            raise RunFailed(_peer_lost_message(ctx, e)) from None
         raise
     return results, status, received
+
+
+_PEER_LOST = ("gloo", "connection reset", "connection closed", "connection refused",
+              "unavailable", "heartbeat", "deadline_exceeded", "coordination service")
+
+
+def _is_peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective or jax's coordination service losing a process."""
+    text = str(error).lower()
+    return any(word in text for word in _PEER_LOST)
+
+
+def _peer_lost_message(ctx: Context, error: BaseException) -> str:
+    import re
+
+    text = str(error)
+    peer = re.search(r"(?:task|rank|process)\D{0,3}(\d+)", text, re.IGNORECASE)
+    who = f"process {peer.group(1)}" if peer else "another process"
+    first = (text.strip().splitlines() or [type(error).__name__])[0][:160]
+    return (f"lost {who} of the run ({first}); restart every process with --resume: it "
+            f"continues from the last checkpoint in {Path(ctx.args.out).resolve() / 'ckpt'}")
 
 
 def _stop_message(ctx: Context, name: str, result: dict, status: int, received: list) -> str:
