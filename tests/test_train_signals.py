@@ -195,6 +195,21 @@ def test_sigint_to_one_of_two_processes_stops_both_at_one_step(procs, tmp_path, 
     assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
 
 
+@pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_a_killed_peer_ends_the_other_in_one_line(procs, tmp_path, corpus):
+    """kill -9 of process 1: process 0's next collective fails; it says so in one line
+    and exits 1 at once (jax's shutdown would wait minutes for the dead peer)."""
+    out = tmp_path / "out"
+    pair = _start_pair(procs, "pair", out, corpus, "--steps", 400, "--ckpt-every", 2)
+    procs.until(lambda: logged_steps(out) >= 3, pair, RUN_TIMEOUT_S, "two steps")
+    pair[1].kill()
+    assert procs.wait(pair[:1], STOP_TIMEOUT_S) == [1], procs.report(pair[:1])
+    text = procs.output(pair[0])
+    errors = [line for line in text.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "lost contact with" in errors[0], text
+    assert "restart every process with --resume" in errors[0] and "Traceback" not in text
+
+
 # Runs train.py with orbax's final rename of a step's checkpoint held back (a slow
 # filesystem): saves of steps above SLOW_AFTER never complete on their own.
 SLOW_SAVES = """

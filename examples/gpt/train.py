@@ -366,9 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (CheckpointError, RunFailed) as e:
+    except CheckpointError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except RunFailed as e:
+        # A lost process: jax's shutdown at exit would wait minutes for it. Nothing is
+        # left to save (the checkpoints on disk are sealed), so leave at once.
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
     except KeyboardInterrupt:
         print("\ninterrupted (no checkpoint written)", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -741,9 +748,9 @@ def _peer_lost_message(ctx: Context, error: BaseException) -> str:
 
     text = str(error)
     peer = re.search(r"(?:task|rank|process)\D{0,3}(\d+)", text, re.IGNORECASE)
-    who = f"process {peer.group(1)}" if peer else "another process"
+    who = f"process {peer.group(1)}" if peer else "another process of the run"
     first = (text.strip().splitlines() or [type(error).__name__])[0][:160]
-    return (f"lost {who} of the run ({first}); restart every process with --resume: it "
+    return (f"lost contact with {who} ({first}); restart every process with --resume: it "
             f"continues from the last checkpoint in {Path(ctx.args.out).resolve() / 'ckpt'}")
 
 
