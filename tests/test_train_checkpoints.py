@@ -205,3 +205,19 @@ def test_a_file_where_the_checkpoints_go_is_refused_with_resume(copy, corpus, ca
     assert run(copy, corpus, "--resume") == train.EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a file, not a checkpoint directory" in err[0], err
+
+
+def test_data_rewritten_in_place_is_refused_on_resume(tmp_path, corpus, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(corpus.read_bytes())
+    out = tmp_path / "out"
+    argv = [*TINY, "--data", str(text), "--out", str(out), "--steps", "2"]
+    assert train.main(argv) == 0
+    changed = bytearray(text.read_bytes())
+    changed[100] = ord("#") if changed[100] != ord("#") else ord("%")
+    text.write_bytes(bytes(changed))                          # same path, same size
+    capsys.readouterr()
+    assert train.main([*argv, "--resume"]) == train.EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was written on other data: 40000 bytes, sha256" in err[0], err
+    assert "restore the data, or start afresh without --resume" in err[0]

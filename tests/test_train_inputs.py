@@ -7,6 +7,7 @@ strict JSON of ``log.jsonl``.
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -221,3 +222,33 @@ def test_device_memory_of_accelerators_and_of_simulated_cpu_devices():
     whole, _ = memory.device_memory(cpu, 1)
     share, phrase = memory.device_memory(cpu, 4)
     assert share == whole // 4 and "for 4 simulated devices" in phrase
+
+
+def test_max_bytes_bounds_the_read(tmp_path):
+    """A 20 MB file with --max-bytes 10000: the read holds 10 kB, not the file; a
+    character cut at the limit is not taken for binary data."""
+    import tracemalloc
+
+    big = tmp_path / "big.txt"
+    big.write_bytes("é".encode() * 10_000_000)
+    tracemalloc.start()
+    corpus = data.read_corpus(big, max_bytes=10_001)  # ends in half an "é"
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(corpus.data) == 10_001 and peak < 1_000_000, peak
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    big.rename(folder / "big.txt")
+    tracemalloc.start()
+    corpus = data.read_corpus(folder, max_bytes=10_001)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(corpus.data) == 10_001 and corpus.files_read == 1 and peak < 1_000_000, peak
+
+
+def test_a_fifo_or_device_is_not_data(capsys, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        refused(capsys, [*TINY, "--data", path, "--out", tmp_path / "out"],
+                "is neither a regular file nor a directory")

@@ -800,8 +800,10 @@ def _config_key(ctx: Context, name: str) -> dict:
         "steps", "seed", "depth", "head_dim", "batch_size", "seq_len", "dtype", "max_bytes",
         "warmdown_frac", "final_lr_frac")}
     # Not the device count nor the mode: the checkpoint's state is portable.
+    # The data by path and by content: a file rewritten in place is another corpus.
     key.update(data=str(Path(a.data).resolve()) if a.data else None,
-               warmup_steps=ctx.warmup_steps, optimizer=name)
+               data_read=ctx.dataset.fingerprint, warmup_steps=ctx.warmup_steps,
+               optimizer=name)
     if name == "muon":
         key.update({k: getattr(a, k) for k in (
             "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay",
@@ -941,7 +943,11 @@ def _open_checkpoints(ctx: Context, name: str, run_dir: Path, kind: str):
     saved, key = meta["config"], _config_key(ctx, name)
     diff = {k: (saved[k], v) for k, v in key.items() if k in saved and saved[k] != v}
     problem = None
-    if diff:
+    if "data_read" in diff:
+        then, now = diff["data_read"]
+        problem = (f"was written on other data: {then} were read then, {now} now (the file "
+                   f"changed); restore the data, or start afresh without --resume")
+    elif diff:
         problem = ("was written with other settings: " + ", ".join(
             f"{k}={old!r} (now {new!r})" for k, (old, new) in diff.items()))
     elif meta.get("state") != kind:
