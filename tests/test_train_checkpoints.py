@@ -125,10 +125,13 @@ def test_no_intact_checkpoint_is_refused_in_one_line(copy, corpus, capsys):
 
 
 class DiskFull:
-    """orbax's manager whose write of step 4 fails as tensorstore reports ENOSPC."""
+    """orbax's manager whose write of step 4 fails as tensorstore reports ENOSPC (the
+    message as orbax 0.12.8 gave it on a full tmpfs)."""
 
-    error = ValueError('RESOURCE_EXHAUSTED: Error writing local file "ckpt/4.orbax-'
-                       'checkpoint-tmp-3/params/d/1f": [OS error: No space left on device]')
+    error = ValueError('RESOURCE_EXHAUSTED: Error writing "x0_lambdas.value/0" in OCDBT '
+                       'database at local file "ckpt/4.orbax-checkpoint-tmp/params/": Failed '
+                       'to write 107008 bytes to file 5: No space left on device '
+                       "[os_error_code='28']")
 
     @classmethod
     def patch(cls, monkeypatch):
@@ -143,10 +146,10 @@ class DiskFull:
                     return True
                 return super().save(step, *args, **kwargs)
 
-            def check_for_errors(self):
+            def wait_until_finished(self):  # where orbax re-raises its writer's error
                 if self.failed:
                     raise cls.error
-                return super().check_for_errors()
+                return super().wait_until_finished()
 
         monkeypatch.setattr(checkpoints, "_manager_class", lambda: Manager)
 

@@ -50,6 +50,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -212,6 +213,15 @@ def check_writable(directory: Path) -> None:
                               ) from None
 
 
+class _QuietWriterErrors(logging.Filter):
+    """Keeps orbax's own error logs of a failed write (a traceback per writer thread, on
+    stderr through absl) out of the output: the failure reaches the training loop as an
+    exception, which ``Checkpoints`` reports in one line. Other logs pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
 def _manager_class():
     import orbax.checkpoint as ocp
 
@@ -248,6 +258,8 @@ class Checkpoints:
             create=True, cleanup_tmp_directories=True,
             save_decision_policy=ocp.checkpoint_managers.AnySavePolicy(policies))
         self.manager = _manager_class()(self.directory, options=options)
+        self._quiet = _QuietWriterErrors()
+        logging.getLogger("absl").addFilter(self._quiet)
 
     def latest(self) -> int | None:
         return self.manager.latest_step()
@@ -268,8 +280,12 @@ class Checkpoints:
         sight (one process does it). Returns the new paths."""
         moved = []
         for step, _ in damaged:
-            moved.append(self.directory / f"{DAMAGED}{step}")
-            (self.directory / str(step)).rename(moved[-1])
+            aside, n = self.directory / f"{DAMAGED}{step}", 1
+            while aside.exists():  # damaged before, in an earlier run
+                n += 1
+                aside = self.directory / f"{DAMAGED}{step}-{n}"
+            (self.directory / str(step)).rename(aside)
+            moved.append(aside)
         return moved
 
     def adopt(self, step: int) -> None:
@@ -293,12 +309,14 @@ class Checkpoints:
             return False
         if callable(opt_state):
             opt_state = opt_state()
-        self._unsealed = step
         with self._reporting(step):
-            return self.manager.save(step, force=True, args=ocp.args.Composite(
+            started = self.manager.save(step, force=True, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(params),
                 opt_state=ocp.args.StandardSave(opt_state),
                 meta=ocp.args.JsonSave(meta)))
+        if started:
+            self._unsealed = step
+        return started
 
     def _reporting(self, step: int):
         """A context that turns a failed write of ``step`` into ``CheckpointError``."""
@@ -322,7 +340,8 @@ class Checkpoints:
         if step is None:
             return
         with self._reporting(step):
-            self.manager.check_for_errors()
+            # Re-raises what orbax's writer threads met (the write is over: no wait here).
+            self.manager.wait_until_finished()
             if self.main:
                 write_checksum(self.directory / str(step))
         self.intact.add(step)
@@ -366,4 +385,6 @@ class Checkpoints:
             with contextlib.suppress(Exception):  # the error said it already
                 self.manager.close()
             raise
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
         self.manager.close()
