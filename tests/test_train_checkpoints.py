@@ -121,6 +121,8 @@ def test_no_intact_checkpoint_is_refused_in_one_line(copy, corpus, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train.py: error: --resume: no intact"), err
     assert "step 4:" in err[0] and "step 2: no checksum" in err[0]
+    status = json.loads((copy / "config.json").read_text())["status"]
+    assert status.startswith("failed: --resume: no intact checkpoint"), status
     assert sorted(p.name for p in (copy / "ckpt").iterdir()) == ["2", "4"]   # untouched
 
 
@@ -164,6 +166,8 @@ def test_a_full_disk_is_reported_as_such_and_keeps_the_last_checkpoint(
     assert len(err) == 1 and err[0].startswith("train.py: error: the checkpoint of step 4"), err
     assert "the disk is full" in err[0] and "checkpoint of step 2 is kept" in err[0]
     assert "memory" not in err[0]
+    status = json.loads((tmp_path / "config.json").read_text())["status"]
+    assert status.startswith("failed: the checkpoint of step 4 could not be written"), status
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
     monkeypatch.undo()
     assert run(tmp_path, corpus, "--resume") == 0             # the disk has room again

@@ -704,7 +704,11 @@ def _train_all(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) 
     _prepare_out(ctx)
     _write_config(ctx, "running", {})
     t_start = time.perf_counter()
-    results, status, received = _run_optimizers(ctx)
+    try:
+        results, status, received = _run_optimizers(ctx)
+    except (UsageError, CheckpointError, RunFailed) as e:  # config.json says so, not "running"
+        _write_config(ctx, f"failed: {e}", {})
+        raise
     return _finish(ctx, results, status, received, time.perf_counter() - t_start)
 
 
