@@ -206,7 +206,7 @@ def test_a_killed_peer_ends_the_other_in_one_line(procs, tmp_path, corpus):
     assert procs.wait(pair[:1], STOP_TIMEOUT_S) == [1], procs.report(pair[:1])
     text = procs.output(pair[0])
     errors = [line for line in text.splitlines() if line.startswith("train.py: error:")]
-    assert len(errors) == 1 and "lost contact with" in errors[0], text
+    assert len(errors) == 1 and "lost contact with process 1 (" in errors[0], text
     assert "restart every process with --resume" in errors[0] and "Traceback" not in text
 
 

@@ -748,11 +748,12 @@ def _is_peer_lost(error: BaseException) -> bool:
 
 
 def _peer_lost_message(ctx: Context, error: BaseException) -> str:
-    import re
+    import jax
 
     text = str(error)
-    peer = re.search(r"(?:task|rank|process)\D{0,3}(\d+)", text, re.IGNORECASE)
-    who = f"process {peer.group(1)}" if peer else "another process of the run"
+    # Gloo names the peer's address, not its index; of two processes it is the other one.
+    who = (f"process {1 - jax.process_index()}" if jax.process_count() == 2
+           else "another process of the run")
     first = (text.strip().splitlines() or [type(error).__name__])[0][:160]
     return (f"lost contact with {who} ({first}); restart every process with --resume: it "
             f"continues from the last checkpoint in {Path(ctx.args.out).resolve() / 'ckpt'}")
