@@ -44,8 +44,11 @@ def _looks_like_text(data: bytes, whole: bool = True) -> bool:
     prefix, whose last character may be cut."""
     if b"\x00" in data[:8192]:
         return False
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
+    decoder, view, chunk = codecs.getincrementaldecoder("utf-8")(), memoryview(data), 1 << 20
+    try:  # in chunks: the decoded text of a whole file would double the memory
+        for start in range(0, len(data), chunk):
+            decoder.decode(view[start:start + chunk])
+        decoder.decode(b"", final=whole)
     except UnicodeDecodeError:
         return False
     return True
