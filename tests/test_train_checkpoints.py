@@ -88,6 +88,8 @@ DAMAGE = {
     "deleted file": (lambda d: largest_data_file(d).unlink(), "is missing"),
     "emptied": (empty, "no checksum"),
     "no checksum": (lambda d: (d / checkpoints.CHECKSUM).unlink(), "no checksum"),
+    "garbled checksum": (lambda d: (d / checkpoints.CHECKSUM).write_text('{"files": {"a": 1}}'),
+                         "its checksum file is unreadable"),
 }
 
 

@@ -164,8 +164,14 @@ def verify(step_dir: Path) -> str | None:
         return "no checksum: its write did not finish, or an earlier train.py wrote it"
     except (OSError, ValueError, KeyError, TypeError):
         return "its checksum file is unreadable"
-    found = _file_digests(step_dir)
-    for rel, (size, digest) in expected.items():
+    try:
+        found = _file_digests(step_dir)
+    except OSError as e:
+        return f"a file cannot be read ({e.strerror}: {e.filename})"
+    for rel, listed in expected.items():
+        if not (isinstance(listed, list) and len(listed) == 2 and isinstance(listed[0], int)):
+            return "its checksum file is unreadable"
+        size, digest = listed
         if rel not in found:
             return f"{rel} is missing"
         if found[rel][0] != size:
