@@ -530,10 +530,10 @@ def check_real_float(dtype: Any, path: str, where: str) -> None:
     """
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        raise TypeError(f"{where}: parameter {path!r} is {dtype}; MuonAdamW is defined for "
-                        "real params only (it would drop the imaginary part of the gradient). "
-                        "Store it as two real params (real and imaginary parts), or optimize "
-                        "it with another optax transformation (optax.multi_transform).")
+        raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
+                        "defined for real params only (the gradient's imaginary part would be "
+                        "dropped). Store it as two real params (real and imaginary parts), or "
+                        "optimize it with another optax transformation (optax.multi_transform).")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{where}: parameter {path!r} is {dtype}, not a floating dtype: it "
                         "has no gradient to follow. Keep it out of the params tree (e.g. in "

@@ -1,5 +1,7 @@
 """Bad configurations fail early, with a message that names the culprit and the fix."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,7 +345,7 @@ def test_non_array_leaf_names_the_path():
 # ---------------------------------------------------------------------- dtypes and magnitudes
 
 @pytest.mark.parametrize("dtype, words", [
-    (jnp.complex64, "'blocks/w' is complex64; MuonAdamW is defined for real params only"),
+    (jnp.complex64, "'blocks/w' is complex (complex64); the rule is defined for real params"),
     (jnp.int32, "'blocks/w' is int32, not a floating dtype"),
 ])
 @pytest.mark.parametrize("jit", [False, True])
@@ -351,7 +353,7 @@ def test_complex_and_integer_params_are_refused_at_init(dtype, words, jit):
     params = {"blocks": {"w": jnp.ones((4, 8), dtype)}, "b": jnp.ones((8,))}
     tx = build()
     init = jax.jit(tx.init) if jit else tx.init
-    with pytest.raises(TypeError, match=words.replace("(", r"\(")):
+    with pytest.raises(TypeError, match=re.escape(words)):
         init(params)
     adamw_only = build(labels=lambda p: jax.tree.map(lambda _: "a", p))
     with pytest.raises(TypeError, match="'blocks/w' is"):
