@@ -244,6 +244,8 @@ def test_max_bytes_bounds_the_read(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert len(corpus.data) == 10_001 and corpus.files_read == 1 and peak < 1_000_000, peak
+    # A limit beyond the file reads the file (not a buffer of the limit's size).
+    assert len(data.read_corpus(folder, max_bytes=10**20).data) == 20_000_000
 
 
 def test_a_fifo_or_device_is_not_data(capsys, tmp_path):

@@ -60,7 +60,8 @@ def _read(path: Path, limit: int | None) -> tuple[bytes, bool]:
     with open(path, "rb") as f:
         if limit is None:
             return f.read(), True
-        data = f.read(limit)
+        # Not read(limit) itself: Python allocates the whole limit up front.
+        data = f.read(min(limit, os.fstat(f.fileno()).st_size))
         return data, not f.read(1)
 
 
