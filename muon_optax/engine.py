@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -141,8 +141,10 @@ def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
     return a.padded[:a.axis] + (a.padded[a.axis] // n,) + a.padded[a.axis + 1:]
 
 
-def _check_state(plan: TreePlan, state: Any, want: Any, name: str) -> None:
-    """A state made for these params and this layout, or a clear error."""
+def _check_state(plan: TreePlan, state: Any, want: Any, name: str,
+                 dtypes: Sequence[Any] = ()) -> None:
+    """A state made for these params (``dtypes``: theirs) and this layout, or a clear
+    error."""
     got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
     if got_def != want_def:
         raise ValueError(f"{name}: the state was made for other params or another optimizer "
@@ -156,6 +158,13 @@ def _check_state(plan: TreePlan, state: Any, want: Any, name: str) -> None:
                 f", but these params on {plan.num_devices} device(s) need {tuple(w.shape)}: "
                 "the state was made for other params, devices or layout; call tx.init on "
                 "these params, or move it with muon_optax.export_state/import_state.")
+        if got.dtype != w.dtype:
+            now = [repr(p) for p, dt in zip(plan.paths, dtypes) if dt == w.dtype][:4]
+            which = f" (now {w.dtype}: {', '.join(now)})" if now else ""
+            raise TypeError(
+                f"{name}: state leaf {jax.tree_util.keystr(path)} is {got.dtype}, but these "
+                f"params need {w.dtype}: a parameter changed dtype after tx.init{which}; "
+                "cast it back, or call tx.init on the params as they are now.")
 
 
 # ------------------------------------------------------------------ AdamW
@@ -282,8 +291,9 @@ def _local_update(plan: TreePlan, opts: Options, grads, state, params):
     _check_shapes(plan, g_leaves, p_leaves, opts.name)
     _check_varying(plan, comm, g_leaves, opts.name)
     ref = p_leaves or g_leaves
-    _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref],
-                                           [x.dtype for x in ref], per_device=True), opts.name)
+    dtypes = [x.dtype for x in ref]
+    _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref], dtypes,
+                                           per_device=True), opts.name, dtypes)
     count = state.count
     hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}

@@ -36,7 +36,12 @@ import jax.numpy as jnp
 
 from muon_optax.adamw import update_in_param_dtype
 from muon_optax.hparams import MuonConfig
-from muon_optax.polar import default_compute_dtype, polar_express_stack, precondition
+from muon_optax.polar import (
+    default_compute_dtype,
+    overflow_scale,
+    polar_express_stack,
+    precondition,
+)
 
 
 class MuonStackState(NamedTuple):
@@ -85,19 +90,24 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
     scalings are one multiply of ``X``. Norms in float32. ``basin=False``: MuonEq alone
     (another preconditioning follows).
     """
-    x32 = x.astype(jnp.float32)
+    # The norms come from x * s (polar.overflow_scale: a power of two, 1 unless an entry
+    # exceeds 2**48), so a finite gradient of any size gives finite norms. MuonEq's
+    # factor is a ratio of norms (the same for x * s); the basin's divides by a norm of
+    # x * s and so takes the s back.
+    s = overflow_scale(x.astype(jnp.float32))
+    x32 = x.astype(jnp.float32) * s
 
     def factor(axis: int) -> jax.Array:  # axis summed over: -1 makes stored rows own rows
         sq = jnp.sum(x32 * x32, axis=axis, keepdims=True)
         fro2 = jnp.sum(sq, axis=(-2, -1), keepdims=True)
         if not row_equilibration:
-            return 1 / (1.01 * jnp.sqrt(fro2) + 1e-6)
+            return s / (1.01 * jnp.sqrt(fro2) + 1e-6)
         own_rows = x.shape[-2] if axis == -1 else x.shape[-1]
         eq = jnp.sqrt(fro2 / own_rows) / jnp.maximum(jnp.sqrt(sq), 1e-6)
         if not basin:
             return eq
         fro_eq = jnp.sqrt(jnp.sum(sq * eq * eq, axis=(-2, -1), keepdims=True))
-        return eq / (1.01 * fro_eq + 1e-6)
+        return s * eq / (1.01 * fro_eq + 1e-6)
 
     if not row_equilibration or transposed is False:
         return factor(-1)

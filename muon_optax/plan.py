@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.hparams import MuonConfig
@@ -520,6 +521,25 @@ def _signature(leaf: MatrixLeaf, transport: str, route: Route | None) -> tuple:
     return (transport, route.piece, route.block_size, route.replicas * route.piece)
 
 
+def check_real_float(dtype: Any, path: str, where: str) -> None:
+    """Raises ``TypeError`` naming ``path`` unless ``dtype`` is a real floating dtype.
+
+    The rule (Muon's polar factor, AdamW's moments) is defined for real matrices only:
+    complex params would lose the gradient's imaginary part, and integer ones have no
+    gradient at all (jax refuses them in ``update``, far from the cause).
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
+                        "defined for real params only (the gradient's imaginary part would be "
+                        "dropped). Store it as two real params (real and imaginary parts), or "
+                        "optimize it with another optax transformation (optax.multi_transform).")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{where}: parameter {path!r} is {dtype}, not a floating dtype: it "
+                        "has no gradient to follow. Keep it out of the params tree (e.g. in "
+                        "an nnx.Variable other than nnx.Param), or cast it to float32.")
+
+
 def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                    dimension_numbers: Any, axes: Sequence[tuple[str, int]],
                    specs: Sequence[Spec] | None, threshold: int,
@@ -536,6 +556,7 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{where}: parameter {path!r} is a {type(x).__name__}, not an "
                             "array.")
+        check_real_float(x.dtype, path, where)
     specs = list(specs) if specs is not None else [((),) * len(x.shape) for x in leaves]
     labels = flat_labels(param_labels, params, paths, list(configs))
     dims = flat_dimension_numbers(dimension_numbers, params)

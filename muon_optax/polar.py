@@ -162,10 +162,34 @@ def check_preconditioning(kind: object, where: str,
     return kind
 
 
+# Entries above this size could overflow float32 when squared and summed: 2**48 squared
+# is 2**96, which leaves 2**32 entries of room under float32's 2**128.
+_SQUARE_SAFE = 2.0 ** 48
+
+
+def overflow_scale(x32: jax.Array) -> jax.Array:
+    """A power of two per matrix (over the last two axes, keepdims) that brings the
+    largest ``|x|`` into ``[1/2, 1)`` when it exceeds ``2**48``, else exactly 1.
+
+    Norms of ``x * s`` then cannot overflow, and dividing them by ``s`` gives the norms
+    of ``x``: a power of two scales without rounding, so for ordinary magnitudes
+    (``s = 1``) the arithmetic is the unscaled one, bit for bit.
+    """
+    biggest = jnp.max(jnp.abs(x32), axis=(-2, -1), keepdims=True)
+    _, exponent = jnp.frexp(biggest)  # biggest = m * 2**exponent, m in [1/2, 1)
+    return jnp.where(biggest > _SQUARE_SAFE, jnp.ldexp(jnp.float32(1), -exponent), 1.0)
+
+
 def fro_norm(x: jax.Array) -> jax.Array:
-    """Frobenius norm of each matrix over the last two axes, in float32, keepdims."""
+    """Frobenius norm of each matrix over the last two axes, in float32, keepdims.
+
+    Computed on ``x`` scaled by :func:`overflow_scale`, so any finite ``x`` whose norm is
+    below float32's maximum gets it (a plain sum of squares overflows above ~1e19).
+    """
     x = x.astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True))
+    s = overflow_scale(x)
+    x = x * s
+    return jnp.sqrt(jnp.sum(x * x, axis=(-2, -1), keepdims=True)) / s
 
 
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:

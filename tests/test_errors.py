@@ -1,5 +1,7 @@
 """Bad configurations fail early, with a message that names the culprit and the fix."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -338,3 +340,50 @@ def test_label_by_path_bad_rules():
 def test_non_array_leaf_names_the_path():
     with pytest.raises(TypeError, match=r"parameter 'n' is a str, not an array"):
         build().init({"w": jnp.zeros((4, 8)), "n": "hello"})
+
+
+# ---------------------------------------------------------------------- dtypes and magnitudes
+
+@pytest.mark.parametrize("dtype, words", [
+    (jnp.complex64, "'blocks/w' is complex (complex64); the rule is defined for real params"),
+    (jnp.int32, "'blocks/w' is int32, not a floating dtype"),
+])
+@pytest.mark.parametrize("jit", [False, True])
+def test_complex_and_integer_params_are_refused_at_init(dtype, words, jit):
+    params = {"blocks": {"w": jnp.ones((4, 8), dtype)}, "b": jnp.ones((8,))}
+    tx = build()
+    init = jax.jit(tx.init) if jit else tx.init
+    with pytest.raises(TypeError, match=re.escape(words)):
+        init(params)
+    adamw_only = build(labels=lambda p: jax.tree.map(lambda _: "a", p))
+    with pytest.raises(TypeError, match="'blocks/w' is"):
+        adamw_only.init(params)
+
+
+def test_a_param_that_changes_dtype_after_init_is_refused():
+    params = {"blocks": {"w": jnp.ones((4, 8))}, "b": jnp.ones((8,))}
+    tx = build()
+    state = tx.init(params)
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    with pytest.raises(TypeError, match=r"is float32, but these params need bfloat16: a "
+                                        r"parameter changed dtype after tx.init \(now bfloat16"):
+        tx.update(half, state, half)
+
+
+def test_huge_finite_muon_gradients_give_finite_updates():
+    """The normalization's Frobenius norm of 1e20 entries overflows float32 when squared;
+    nanochat's rule is scale-invariant there, so the update is that of the gradient / 1e20
+    (up to its 1e-6 guards)."""
+    params = {"blocks": {"w": jnp.ones((8, 16))}, "b": jnp.ones((16,))}
+    tx = build()
+    state = tx.init(params)
+    g = jax.random.normal(jax.random.key(0), (8, 16))
+    small, _ = tx.update({"blocks": {"w": g}, "b": jnp.ones(16)}, state, params)
+    for scale in (1e20, 3e36):
+        big, _ = jax.jit(tx.update)({"blocks": {"w": g * scale}, "b": jnp.ones(16)}, state,
+                                    params)
+        assert bool(jnp.all(jnp.isfinite(big["blocks"]["w"])))
+        np.testing.assert_allclose(big["blocks"]["w"], small["blocks"]["w"], atol=1e-4)
+    w = jnp.full((3, 5), 2e19)
+    np.testing.assert_allclose(muon_optax.polar.fro_norm(w)[0, 0], 2e19 * np.sqrt(15),
+                               rtol=1e-6)

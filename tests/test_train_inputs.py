@@ -7,6 +7,7 @@ strict JSON of ``log.jsonl``.
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -66,9 +67,34 @@ def refused(capsys, argv, *expected):
     (["--eval-every", "-1"], "--eval-every must be >= 0"),
     (["--batch-size", "3", "--devices", "2"], "not divisible by --devices 2"),
     (["--process-id", "1"], "need --distributed"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63 - 1], got -1"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**63 - 1]"),
+    (["--steps", "10000000000"], "--steps must be <= 2,147,483,647"),
+    (["--matrix-lr", "1e308", "--lr-scale", "1e308"], "--matrix-lr 1e+308 times --lr-scale"),
+    (["--embedding-lr", "1e38"], "overflows float32"),
+    (["--head-dim", "1000000"], ("does not fit", "head dim 1000000")),
+    (["--depth", "1000"], ("does not fit", "depth 1000")),
+    (["--distributed", "--coordinator", "notahost:abc"], "the port must be a number"),
+    (["--distributed", "--coordinator", "127.0.0.1"], "--coordinator must be host:port"),
+    (["--distributed", "--coordinator", "no-such-host.invalid:1234"], "cannot resolve host"),
+    (["--distributed", "--init-timeout", "0"], "--init-timeout must be >= 1"),
 ])
 def test_numbers_out_of_range_are_refused(capsys, tmp_path, corpus, flags, expected):
-    refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path, *flags], expected)
+    expected = (expected,) if isinstance(expected, str) else expected
+    refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path, *flags], *expected)
+
+
+def test_a_refused_start_leaves_the_earlier_run_alone(capsys, tmp_path, corpus):
+    """Inputs that pass argparse but not the run: refused before ``--out`` is touched."""
+    (tmp_path / "ckpt" / "4").mkdir(parents=True)
+    (tmp_path / "log.jsonl").write_text('{"step": 4}\n')
+    (tmp_path / "config.json").write_text('{"status": "finished"}')
+    for flags in (["--seed", "-1"], ["--steps", "10000000000"], ["--depth", "1000"],
+                  ["--matrix-lr", "1e308", "--lr-scale", "1e308"]):
+        refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path, *flags])
+    assert (tmp_path / "ckpt" / "4").is_dir()
+    assert (tmp_path / "log.jsonl").read_text() == '{"step": 4}\n'
+    assert (tmp_path / "config.json").read_text() == '{"status": "finished"}'
 
 
 def test_a_binary_data_file_is_refused_like_folders_skip_it(capsys, tmp_path):
@@ -122,10 +148,11 @@ def test_a_checkpoint_with_a_device_bound_state_is_refused(capsys, tmp_path, cor
 
 def test_a_model_too_big_for_the_device_is_refused_before_it_is_built(
         capsys, tmp_path, corpus, monkeypatch):
+    # Room for the params and gradients (655 kB: the early check passes), not the state.
     monkeypatch.setattr(memory, "device_memory",
-                        lambda device, n: (100_000, "a test device has 100.0 kB"))
+                        lambda device, n: (1_000_000, "a test device has 1.0 MB"))
     out = refused(capsys, [*TINY, "--data", corpus, "--out", tmp_path],
-                  "does not fit", "81,922 params", "a test device has 100.0 kB", "--depth")
+                  "does not fit", "81,922 params", "a test device has 1.0 MB", "--depth")
     assert "model: depth 1" in out and "memory per device (estimate)" in out
     assert not (tmp_path / "config.json").exists()  # refused before the run began
 
@@ -147,6 +174,8 @@ def test_the_plan_and_memory_estimate_come_before_the_model(tmp_path, corpus, ca
     assert "81,922 params" in out and "memory per device (estimate): params 327.7 kB" in out
     est = ctx.estimate
     assert est.params == est.grads == 81_922 * 4
+    # The early size check's arithmetic counts the params the model has.
+    assert train.param_count(1, 64) == train._count_params(ctx.abstract_params) == 81_922
     # ZeRO-2 over 2 devices: about half of the single device's optimizer state.
     one = train._setup(train.build_parser().parse_args([*TINY, "--data", str(corpus), "--out",
                                                         str(tmp_path)]),
@@ -193,3 +222,35 @@ def test_device_memory_of_accelerators_and_of_simulated_cpu_devices():
     whole, _ = memory.device_memory(cpu, 1)
     share, phrase = memory.device_memory(cpu, 4)
     assert share == whole // 4 and "for 4 simulated devices" in phrase
+
+
+def test_max_bytes_bounds_the_read(tmp_path):
+    """A 20 MB file with --max-bytes 10000: the read holds 10 kB, not the file; a
+    character cut at the limit is not taken for binary data."""
+    import tracemalloc
+
+    big = tmp_path / "big.txt"
+    big.write_bytes("é".encode() * 10_000_000)
+    tracemalloc.start()
+    corpus = data.read_corpus(big, max_bytes=10_001)  # ends in half an "é"
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(corpus.data) == 10_001 and peak < 1_000_000, peak
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    big.rename(folder / "big.txt")
+    tracemalloc.start()
+    corpus = data.read_corpus(folder, max_bytes=10_001)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(corpus.data) == 10_001 and corpus.files_read == 1 and peak < 1_000_000, peak
+    # A limit beyond the file reads the file (not a buffer of the limit's size).
+    assert len(data.read_corpus(folder, max_bytes=10**20).data) == 20_000_000
+
+
+def test_a_fifo_or_device_is_not_data(capsys, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        refused(capsys, [*TINY, "--data", path, "--out", tmp_path / "out"],
+                "is neither a regular file nor a directory")

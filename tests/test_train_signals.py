@@ -195,6 +195,21 @@ def test_sigint_to_one_of_two_processes_stops_both_at_one_step(procs, tmp_path, 
     assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
 
 
+@pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_a_killed_peer_ends_the_other_in_one_line(procs, tmp_path, corpus):
+    """kill -9 of process 1: process 0's next collective fails; it says so in one line
+    and exits 1 at once (jax's shutdown would wait minutes for the dead peer)."""
+    out = tmp_path / "out"
+    pair = _start_pair(procs, "pair", out, corpus, "--steps", 400, "--ckpt-every", 2)
+    procs.until(lambda: logged_steps(out) >= 3, pair, RUN_TIMEOUT_S, "two steps")
+    pair[1].kill()
+    assert procs.wait(pair[:1], STOP_TIMEOUT_S) == [1], procs.report(pair[:1])
+    text = procs.output(pair[0])
+    errors = [line for line in text.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "lost contact with process 1 (" in errors[0], text
+    assert "restart every process with --resume" in errors[0] and "Traceback" not in text
+
+
 # Runs train.py with orbax's final rename of a step's checkpoint held back (a slow
 # filesystem): saves of steps above SLOW_AFTER never complete on their own.
 SLOW_SAVES = """
@@ -216,24 +231,26 @@ runpy.run_path({train!r}, run_name="__main__")
 """
 
 
-def test_second_sigint_during_a_save_aborts_cleanly(procs, tmp_path, corpus):
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_second_signal_during_a_save_aborts_cleanly(procs, tmp_path, corpus, signum, status):
+    """A second SIGTERM exits 143 like the first would (a requeue keyed on 143 fires)."""
     out, wrapper = tmp_path / "out", tmp_path / "slow_saves.py"
     wrapper.write_text(SLOW_SAVES.format(train=str(TRAIN)))
     common = [*TINY, "--data", corpus, "--out", out, "--ckpt-every", "3"]
     run = procs.start("slow", 3, *common, script=wrapper)
     procs.until(lambda: logged_steps(out) >= 6, [run], RUN_TIMEOUT_S, "five steps")
-    os.kill(run.pid, signal.SIGINT)
-    # Two SIGINTs that arrive before Python runs the handler are one: wait until it has.
-    procs.until(lambda: "SIGINT received: stopping" in procs.output(run), [run],
-                STOP_TIMEOUT_S, "the first SIGINT handled")
+    os.kill(run.pid, signum)
+    # Two signals that arrive before Python runs the handler are one: wait until it has.
+    procs.until(lambda: f"{signal.Signals(signum).name} received: stopping" in procs.output(run),
+                [run], STOP_TIMEOUT_S, "the first signal handled")
 
     def unfinished():
         ckpt = out / "ckpt"
         return ckpt.exists() and any("tmp" in p.name for p in ckpt.iterdir())
 
     procs.until(unfinished, [run], STOP_TIMEOUT_S, "a checkpoint being written")
-    os.kill(run.pid, signal.SIGINT)
-    assert procs.wait([run], STOP_TIMEOUT_S) == [130], procs.report([run])
+    os.kill(run.pid, signum)
+    assert procs.wait([run], STOP_TIMEOUT_S) == [status], procs.report([run])
     text = procs.output(run)
     assert text.count("aborted by a second signal") == 1 and "Traceback" not in text, text
     assert "3" in checkpoints(out) and unfinished()
@@ -243,3 +260,24 @@ def test_second_sigint_during_a_save_aborts_cleanly(procs, tmp_path, corpus):
     assert "(step 3)" in procs.output(resumed)
     assert not unfinished() and str(STEPS) in checkpoints(out)
     assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
+
+
+def test_distributed_off_a_cluster_is_one_line(procs, tmp_path, corpus):
+    run = procs.start("alone", *TINY, "--data", corpus, "--out", tmp_path / "out",
+                      "--distributed")
+    assert procs.wait([run], RUN_TIMEOUT_S) == [2], procs.report([run])
+    text = procs.output(run)
+    errors = [line for line in text.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("train.py: error: --distributed: "), text
+    assert "Traceback" not in text and "--coordinator" in errors[0]
+
+
+def test_a_peer_that_never_starts_ends_the_wait_in_one_line(procs, tmp_path, corpus):
+    run = procs.start("lonely", *TINY, "--data", corpus, "--out", tmp_path / "out",
+                      "--distributed", "--coordinator", f"127.0.0.1:{free_port()}",
+                      "--num-processes", "2", "--process-id", "0", "--init-timeout", "3")
+    assert procs.wait([run], RUN_TIMEOUT_S) == [2], procs.report([run])
+    text = procs.output(run)
+    assert "waiting up to 3 s, --init-timeout" in text
+    assert "train.py: error: not every process joined within 3 s" in text, text
+    assert "Traceback" not in text

@@ -16,7 +16,9 @@ Validation uses a fixed list of contiguous windows from the held-out tail.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import hashlib
 import math
 import os
 import sysconfig
@@ -37,22 +39,38 @@ _STDLIB_SKIP_DIRS = frozenset(
 )
 
 
-def _looks_like_text(data: bytes) -> bool:
+def _looks_like_text(data: bytes, whole: bool = True) -> bool:
+    """No NUL byte in the first 8 KiB, and valid UTF-8; ``whole=False``: ``data`` is a
+    prefix, whose last character may be cut."""
     if b"\x00" in data[:8192]:
         return False
-    try:
-        data.decode("utf-8")
+    decoder, view, chunk = codecs.getincrementaldecoder("utf-8")(), memoryview(data), 1 << 20
+    try:  # in chunks: the decoded text of a whole file would double the memory
+        for start in range(0, len(data), chunk):
+            decoder.decode(view[start:start + chunk])
+        decoder.decode(b"", final=whole)
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _read(path: Path, limit: int | None) -> tuple[bytes, bool]:
+    """``(at most limit bytes of path, whether that is the whole file)``: a bounded read,
+    so --max-bytes bounds the memory too."""
+    with open(path, "rb") as f:
+        if limit is None:
+            return f.read(), True
+        # Not read(limit) itself: Python allocates the whole limit up front.
+        data = f.read(min(limit, os.fstat(f.fileno()).st_size))
+        return data, not f.read(1)
 
 
 def _join(paths: list[Path], max_bytes: int | None, *, check_text: bool) -> tuple[bytes, int, int]:
     """``(corpus, files read, files skipped as not text)``; stops once ``max_bytes`` are read."""
     chunks, total, skipped = [], 0, 0
     for p in paths:
-        data = p.read_bytes()
-        if check_text and not _looks_like_text(data):
+        data, whole = _read(p, None if max_bytes is None else max_bytes - total)
+        if check_text and not _looks_like_text(data, whole):
             skipped += 1
             continue
         chunks.append(data)
@@ -88,6 +106,11 @@ class Corpus:
     files_read: int = 1
     files_skipped: int = 0  # not text (NUL bytes or invalid UTF-8), in a directory
 
+    @property
+    def fingerprint(self) -> str:
+        """What was read, for ``--resume`` to recognise: its size and SHA-256."""
+        return f"{len(self.data)} bytes, sha256 {hashlib.sha256(self.data).hexdigest()}"
+
     def describe(self) -> str:
         """One line: what was read, and how many files were skipped."""
         line = f"{len(self.data):,} bytes from {self.source}"
@@ -115,13 +138,17 @@ def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = N
     if not p.exists():
         raise FileNotFoundError(f"data path {str(p)!r} does not exist")
     if p.is_file():
-        data = p.read_bytes()
+        data, whole = _read(p, max_bytes)
         if not data:
             raise ValueError(f"data file {str(p)!r} is empty")
-        if not _looks_like_text(data):
+        if not _looks_like_text(data, whole):
             raise ValueError(f"data file {str(p)!r} is not text (it holds NUL bytes or is not "
                              f"UTF-8); give a text file or a directory of them")
-        return Corpus(data[:max_bytes], str(p))
+        return Corpus(data, str(p))
+    if not p.is_dir():
+        raise ValueError(f"data path {str(p)!r} is neither a regular file nor a directory (a "
+                         f"FIFO, device or socket has no fixed content to train on and resume "
+                         f"from); give a text file or a directory of them")
     files = sorted(
         f
         for f in p.rglob("*")
@@ -158,6 +185,7 @@ class ByteDataset:
     """
 
     source = "bytes given to the constructor"  # from_path: what was read (Corpus.describe)
+    fingerprint = None  # from_path: Corpus.fingerprint, which --resume compares
 
     def __init__(
         self,
@@ -208,6 +236,7 @@ class ByteDataset:
         corpus = read_corpus(path, max_bytes)
         dataset = cls(corpus.data, batch_size=batch_size, seq_len=seq_len, **kwargs)
         dataset.source = corpus.describe()
+        dataset.fingerprint = corpus.fingerprint
         return dataset
 
     def __repr__(self) -> str:

@@ -18,6 +18,7 @@ sequence length and XLA's schedule, and are left out.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 
@@ -131,6 +132,11 @@ def device_memory(device, local_devices: int) -> tuple[int | None, str]:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is XLA running out of device memory (at build, compile or run)."""
+    """Whether ``error`` is XLA running out of device memory (at build, compile or run).
+
+    Not a full disk: tensorstore (orbax's writer) reports ENOSPC as ``RESOURCE_EXHAUSTED``
+    too, with the OS's words in it."""
     text = str(error)
+    if "No space left on device" in text or getattr(error, "errno", None) == errno.ENOSPC:
+        return False
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text

@@ -20,7 +20,8 @@ routes signals into it:
   process got SIGINT, else 143 (SIGTERM).
 
 A second signal while stopping (e.g. Ctrl-C during the checkpoint write) ends the process
-at once, from the handler (:func:`abort`): no checkpoint of this step; the temporary
+at once, from the handler (:func:`abort`), with that signal's status: no checkpoint of
+this step; the temporary
 folder of an unfinished write is removed when the next run opens the checkpoints (orbax's
 ``cleanup_tmp_directories``).
 
@@ -51,9 +52,10 @@ ABORT_MESSAGE = ("\ntrain.py: aborted by a second signal: no checkpoint of this 
                  "checkpoint\n")
 
 
-def abort() -> None:
-    """A second signal: one line, then exit 130 at once, without finishing the step or
-    the checkpoint.
+def abort(status: int = EXIT_SIGINT) -> None:
+    """A second signal: one line, then exit at once with ``status`` (the second signal's:
+    130 for SIGINT, 143 for SIGTERM, so a scheduler's requeue on 143 still fires),
+    without finishing the step or the checkpoint.
 
     Not an exception: raised in the main thread wherever it is, it would unwind through
     orbax's writer, whose clean-up may join the thread of the very write being aborted
@@ -63,7 +65,7 @@ def abort() -> None:
     sys.stdout.flush()
     sys.stderr.write(ABORT_MESSAGE)
     sys.stderr.flush()
-    os._exit(EXIT_SIGINT)
+    os._exit(status)
 
 
 class StopSignals:
@@ -80,9 +82,10 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def _handler(self, signum, frame) -> None:
+        status = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
         if self.received:
-            abort()
-        self.received = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
+            abort(status)
+        self.received = status
         sys.stderr.write(f"\ntrain.py: {SIGNAL_NAMES[self.received]} received: stopping after "
                          "this step with a checkpoint (a second signal aborts at once)\n")
         sys.stderr.flush()

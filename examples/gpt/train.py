@@ -61,6 +61,7 @@ if importlib.util.find_spec("muon_optax") is None:  # a checkout without `pip in
     sys.path.insert(0, str(HERE.parents[1]))
 
 # numpy and the standard library only: no jax before the arguments are checked
+from checkpoints import CheckpointError  # noqa: E402
 from data import DEFAULT_MAX_BYTES, VOCAB_SIZE, ByteDataset  # noqa: E402
 from stopping import EXIT_SIGINT, EXIT_SIGTERM, SIGNAL_NAMES, StopSignals  # noqa: E402
 
@@ -77,6 +78,7 @@ DEFAULT_EVAL_BATCHES = 16
 DEFAULT_ADAMW_LR = 5e-3
 
 EXIT_DIVERGED = 1
+EXIT_FAILED = 1  # a checkpoint could not be written, a process was lost
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = EXIT_SIGINT
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -84,6 +86,10 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 class UsageError(Exception):
     """A problem with the command line or the data: reported as one line, exit status 2."""
+
+
+class RunFailed(Exception):
+    """A run that cannot go on (a lost process): reported as one line, exit status 1."""
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -186,6 +192,9 @@ def _device_flags(dev) -> None:
                      help="with --distributed: process count (default: auto-detect)")
     dev.add_argument("--process-id", type=int, default=None,
                      help="with --distributed: this process's index (default: auto-detect)")
+    dev.add_argument("--init-timeout", type=int, default=300,
+                     help="with --distributed: seconds to wait at the start for every process "
+                          "to join; then one line and exit 2")
 
 
 def _flag(name: str) -> str:
@@ -193,10 +202,14 @@ def _flag(name: str) -> str:
 
 
 _AT_LEAST_ONE = ("steps", "depth", "head_dim", "batch_size", "seq_len", "devices",
-                 "eval_batches", "keep_ckpts")
+                 "eval_batches", "keep_ckpts", "init_timeout")
 _AT_LEAST_ZERO = ("eval_every", "ckpt_every")
 _LEARNING_RATES = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "adamw_lr")
 _FRACTIONS = ("warmdown_frac", "final_lr_frac")
+MAX_STEPS = 2**31 - 1    # optax counts steps in int32
+MAX_SEED = 2**63 - 1     # jax.random.key takes an int64
+FLOAT32_MAX = 3.4028234663852886e38
+REFERENCE_D_MODEL = 768  # optim_setup's: the AdamW lrs scale by (width / 768) ** -0.5
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -207,6 +220,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for name in _AT_LEAST_ZERO:
         if getattr(args, name) < 0:
             raise UsageError(f"{_flag(name)} must be >= 0, got {getattr(args, name)}")
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps must be <= {MAX_STEPS:,} (optax counts steps in int32), "
+                         f"got {args.steps:,}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, 2**63 - 1], got {args.seed}")
     if args.head_dim % 2:
         raise UsageError(f"--head-dim must be even (rotary embeddings turn channel pairs), "
                          f"got {args.head_dim}")
@@ -233,6 +251,34 @@ def _check_numbers(args: argparse.Namespace) -> None:
                              f"got {args.lr_scale!r}") from None
 
 
+def model_width(depth: int, head_dim: int) -> int:
+    """``GPTConfig.from_depth``'s width: 64 per layer, rounded up to whole heads."""
+    return -(-64 * depth // head_dim) * head_dim
+
+
+def param_count(depth: int, head_dim: int) -> int:
+    """The GPT's parameter count from its config alone: embedding and unembedding
+    (256 x width each), per layer four width^2 attention and two 4 width^2 MLP matrices
+    and two scalars."""
+    d = model_width(depth, head_dim)
+    return 2 * VOCAB_SIZE * d + depth * (12 * d * d + 2)
+
+
+def _check_learning_rates(args: argparse.Namespace) -> None:
+    """The learning rates as the optimizer will use them (times --lr-scale, the AdamW
+    ones times nanochat's width factor) must be finite in float32, and so must their
+    product with the weight decay."""
+    scale = (math.sqrt(args.batch_size * args.seq_len / 2**19) if args.lr_scale == "nanochat"
+             else float(args.lr_scale))
+    width_factor = max(1.0, (model_width(args.depth, args.head_dim) / REFERENCE_D_MODEL) ** -0.5)
+    for name in _LEARNING_RATES:
+        lr = getattr(args, name) * (1.0 if name == "adamw_lr" else scale * width_factor)
+        if not lr * max(1.0, args.weight_decay) <= FLOAT32_MAX:
+            raise UsageError(f"{_flag(name)} {getattr(args, name)} times --lr-scale "
+                             f"{args.lr_scale} (and --weight-decay {args.weight_decay}) "
+                             f"overflows float32: lower them")
+
+
 def _check_devices(args: argparse.Namespace) -> None:
     if not args.distributed and args.batch_size % args.devices:
         raise UsageError(
@@ -241,11 +287,30 @@ def _check_devices(args: argparse.Namespace) -> None:
     if not args.distributed and (args.coordinator or args.num_processes is not None
                                  or args.process_id is not None):
         raise UsageError("--coordinator / --num-processes / --process-id need --distributed")
+    if args.coordinator is not None:
+        _check_coordinator(args.coordinator)
     if args.num_processes is not None and args.num_processes < 1:
         raise UsageError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.process_id is not None and not (
             0 <= args.process_id < (args.num_processes or args.process_id + 1)):
         raise UsageError(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+
+
+def _check_coordinator(address: str) -> None:
+    """``host:port``, the port a number in 1..65535 and the host known to the resolver
+    (jax crashes on either, or waits for minutes)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise UsageError(f"--coordinator must be host:port, got {address!r}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--coordinator {address}: the port must be a number in 1..65535, "
+                         f"got {port!r}")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except (OSError, UnicodeError) as e:
+        raise UsageError(f"--coordinator {address}: cannot resolve host {host!r} ({e})") from None
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -255,11 +320,15 @@ def _check_out(args: argparse.Namespace) -> None:
         if path.exists():
             if not path.is_dir():
                 raise UsageError(f"--out {args.out}: {path} is a file, not a directory")
-            return
+            break
+    for ckpt in (out / "ckpt", out / "adamw" / "ckpt"):
+        if args.resume and ckpt.exists() and not ckpt.is_dir():
+            raise UsageError(f"--resume: {ckpt} is a file, not a checkpoint directory")
 
 
 def _check_args(args: argparse.Namespace) -> None:
     _check_numbers(args)
+    _check_learning_rates(args)
     _check_devices(args)
     _check_out(args)
 
@@ -297,6 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except CheckpointError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except RunFailed as e:
+        # A lost process: jax's shutdown at exit would wait minutes for it. Nothing is
+        # left to save (the checkpoints on disk are sealed), so leave at once.
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
     except KeyboardInterrupt:
         print("\ninterrupted (no checkpoint written)", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -336,12 +415,40 @@ class Context:
 
 
 def _init_distributed(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize``, said before it waits, and bounded by
+    ``--init-timeout``: jax's own timeout ends the process with an abort (status 134)
+    after its tracebacks, so a watchdog says so in one line first and exits 2."""
+    import threading
+
     import jax
 
     # The agreed stop relies on jax's preemption service (on by default): keep it on.
     jax.config.update("jax_enable_preemption_service", True)
-    jax.distributed.initialize(coordinator_address=args.coordinator,
-                               num_processes=args.num_processes, process_id=args.process_id)
+    where = f" at {args.coordinator}" if args.coordinator else ""
+    print(f"train.py: joining the other processes{where} (waiting up to {args.init_timeout} s, "
+          f"--init-timeout)", file=sys.stderr, flush=True)
+
+    def give_up():
+        sys.stderr.write(f"train.py: error: not every process joined within {args.init_timeout}"
+                         f" s (--init-timeout): start every process with the same --coordinator "
+                         f"and --num-processes, or check the network\n")
+        sys.stderr.flush()
+        os._exit(EXIT_USAGE)
+
+    watchdog = threading.Timer(args.init_timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(coordinator_address=args.coordinator,
+                                   num_processes=args.num_processes, process_id=args.process_id,
+                                   initialization_timeout=args.init_timeout + 60)
+    except (ValueError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--distributed: jax.distributed.initialize failed ({first}); off a "
+                         "cluster it detects (SLURM, Open MPI, Cloud TPU), pass --coordinator "
+                         "host:port, --num-processes and --process-id") from None
+    finally:
+        watchdog.cancel()
 
 
 def _pick_devices(args: argparse.Namespace) -> list:
@@ -407,6 +514,7 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
         mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,),
                              devices=devices)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    _check_size(args, devices)
     cfg, graphdef, abstract_params, rest = _abstract_model(args, dtype)
     place = Layout(mesh, fsdp=args.fsdp)
     warmup = args.warmup_steps
@@ -424,6 +532,22 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
         _print_plan(ctx)
     _check_fits(ctx)
     return ctx
+
+
+def _check_size(args: argparse.Namespace, devices: list) -> None:
+    """Refuses, from the config's arithmetic alone (before the model's shapes are traced,
+    which takes minutes for a huge one), a model whose float32 params and gradients
+    alone exceed a device's memory; ``_check_fits`` checks the whole estimate later."""
+    import jax
+    import memory
+
+    n = param_count(args.depth, args.head_dim)
+    need = 2 * 4 * n // (len(devices) if args.fsdp else 1)
+    limit, what = memory.device_memory(devices[0], jax.local_device_count())
+    if limit is not None and need > limit:
+        raise UsageError(f"the model does not fit: depth {args.depth} and head dim "
+                         f"{args.head_dim} make {n:,} params, {memory.fmt(need)} per device "
+                         f"for params and gradients alone, but {what}; lower --depth")
 
 
 def _count_params(params) -> int:
@@ -502,14 +626,22 @@ def _or_fsdp(ctx: Context) -> str:
 
 
 def _prepare_out(ctx: Context) -> None:
-    """Creates ``--out``; a fresh start (no ``--resume``) removes an earlier run's
-    checkpoints and its ``adamw/`` run."""
+    """Creates ``--out`` and checks that it and the checkpoint directories take a file;
+    then a fresh start (no ``--resume``) removes an earlier run's checkpoints and its
+    ``adamw/`` run."""
+    from checkpoints import check_writable
+
     a, out = ctx.args, Path(ctx.args.out)
     if ctx.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--out {a.out}: cannot create the directory ({e})") from None
+        try:
+            for path in [out] + [d / "ckpt" for _, d in ctx.runs if (d / "ckpt").is_dir()]:
+                check_writable(path)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
         stale = [p for p in (out / "ckpt", out / "adamw") if p.exists()] if not a.resume else []
         if stale:
             print(f"starting afresh: removing {' and '.join(str(p.resolve()) for p in stale)} "
@@ -572,7 +704,11 @@ def _train_all(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) 
     _prepare_out(ctx)
     _write_config(ctx, "running", {})
     t_start = time.perf_counter()
-    results, status, received = _run_optimizers(ctx)
+    try:
+        results, status, received = _run_optimizers(ctx)
+    except (UsageError, CheckpointError, RunFailed) as e:  # config.json says so, not "running"
+        _write_config(ctx, f"failed: {e}", {})
+        raise
     return _finish(ctx, results, status, received, time.perf_counter() - t_start)
 
 
@@ -595,8 +731,32 @@ def _run_optimizers(ctx: Context) -> tuple[dict, int, list[int]]:
     except Exception as e:
         if memory.is_out_of_memory(e):
             raise UsageError(_out_of_memory_message(ctx)) from None
+        if ctx.args.distributed and _is_peer_lost(e):
+            raise RunFailed(_peer_lost_message(ctx, e)) from None
         raise
     return results, status, received
+
+
+_PEER_LOST = ("gloo", "connection reset", "connection closed", "connection refused",
+              "unavailable", "heartbeat", "deadline_exceeded", "coordination service")
+
+
+def _is_peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` is a collective or jax's coordination service losing a process."""
+    text = str(error).lower()
+    return any(word in text for word in _PEER_LOST)
+
+
+def _peer_lost_message(ctx: Context, error: BaseException) -> str:
+    import jax
+
+    text = str(error)
+    # Gloo names the peer's address, not its index; of two processes it is the other one.
+    who = (f"process {1 - jax.process_index()}" if jax.process_count() == 2
+           else "another process of the run")
+    first = (text.strip().splitlines() or [type(error).__name__])[0][:160]
+    return (f"lost contact with {who} ({first}); restart every process with --resume: it "
+            f"continues from the last checkpoint in {Path(ctx.args.out).resolve() / 'ckpt'}")
 
 
 def _stop_message(ctx: Context, name: str, result: dict, status: int, received: list) -> str:
@@ -645,8 +805,10 @@ def _config_key(ctx: Context, name: str) -> dict:
         "steps", "seed", "depth", "head_dim", "batch_size", "seq_len", "dtype", "max_bytes",
         "warmdown_frac", "final_lr_frac")}
     # Not the device count nor the mode: the checkpoint's state is portable.
+    # The data by path and by content: a file rewritten in place is another corpus.
     key.update(data=str(Path(a.data).resolve()) if a.data else None,
-               warmup_steps=ctx.warmup_steps, optimizer=name)
+               data_read=ctx.dataset.fingerprint, warmup_steps=ctx.warmup_steps,
+               optimizer=name)
     if name == "muon":
         key.update({k: getattr(a, k) for k in (
             "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay",
@@ -753,7 +915,7 @@ class Run:
     opt_state: object = None
     train: object = None     # the compiled train step
     peak_lr: float = 0.0
-    lr_mults: object = None  # the lr multiplier of every step (numpy)
+    lr_mult: object = None   # jitted step -> the lr multiplier of that step
     end: int = 0
     stopped: bool = False
     diverged: bool = False
@@ -775,9 +937,10 @@ def _open_checkpoints(ctx: Context, name: str, run_dir: Path, kind: str):
 
     a = ctx.args
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpts = Checkpoints(run_dir / "ckpt", a.keep_ckpts, a.ckpt_every)
-    start = ckpts.latest() if a.resume else None
-    if start is None:
+    ckpts = Checkpoints(run_dir / "ckpt", a.keep_ckpts, a.ckpt_every, main=ctx.is_main)
+    if a.resume and ckpts.latest() is not None:
+        start = _intact_start(ctx, name, ckpts)
+    else:
         if a.resume and ctx.is_main:
             print(f"[{name}] --resume: no checkpoint in {ckpts.directory}; starting from step 0")
         return ckpts, 0, None
@@ -785,7 +948,11 @@ def _open_checkpoints(ctx: Context, name: str, run_dir: Path, kind: str):
     saved, key = meta["config"], _config_key(ctx, name)
     diff = {k: (saved[k], v) for k, v in key.items() if k in saved and saved[k] != v}
     problem = None
-    if diff:
+    if "data_read" in diff:
+        then, now = diff["data_read"]
+        problem = (f"was written on other data: {then} were read then, {now} now (the file "
+                   f"changed); restore the data, or start afresh without --resume")
+    elif diff:
         problem = ("was written with other settings: " + ", ".join(
             f"{k}={old!r} (now {new!r})" for k, (old, new) in diff.items()))
     elif meta.get("state") != kind:
@@ -795,6 +962,26 @@ def _open_checkpoints(ctx: Context, name: str, run_dir: Path, kind: str):
         ckpts.close()
         raise UsageError(f"--resume: the checkpoint in {ckpts.directory / str(start)} {problem}")
     return ckpts, start, meta
+
+
+def _intact_start(ctx: Context, name: str, ckpts) -> int:
+    """The newest checkpoint whose files match their checksum; newer, damaged ones are
+    set aside with a line each; none intact: refused in one line."""
+    start, damaged = ckpts.find_intact()
+    if start is None:
+        ckpts.close()
+        raise UsageError(f"--resume: no intact checkpoint in {ckpts.directory} (" + "; ".join(
+            f"step {step}: {problem}" for step, problem in damaged)
+            + "); start afresh without --resume")
+    if damaged:
+        _sync(ctx, "train.py: checkpoints verified")  # every process has read them
+        if ctx.is_main:
+            for (step, problem), aside in zip(damaged, ckpts.set_aside(damaged), strict=True):
+                print(f"train.py: [{name}] checkpoint of step {step} is damaged ({problem}): "
+                      f"moved to {aside}; resuming from step {start}", file=sys.stderr)
+        _sync(ctx, "train.py: damaged checkpoints set aside")
+    ckpts.adopt(start)
+    return start
 
 
 def _initial_state(ctx: Context, run: Run) -> None:
@@ -837,7 +1024,6 @@ def _on(where: dict) -> str:
 
 def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
     import jax
-    import numpy as np
     from checkpoints import OPTAX, PORTABLE
     from optim_setup import lr_multiplier
 
@@ -848,8 +1034,8 @@ def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
     steps = _build_steps(ctx, tx, sharded)
     run = Run(name, run_dir, steps, _state_form(ctx, name, tx, steps), ckpts,
               _config_key(ctx, name), start, saved, end=start, peak_lr=_peak_lr(ctx, name))
-    run.lr_mults = np.asarray(jax.jit(jax.vmap(lr_multiplier(
-        a.steps, ctx.warmup_steps, a.warmdown_frac, a.final_lr_frac)))(np.arange(a.steps)))
+    run.lr_mult = jax.jit(lr_multiplier(a.steps, ctx.warmup_steps, a.warmdown_frac,
+                                        a.final_lr_frac))
     return run
 
 
@@ -896,6 +1082,8 @@ def _compile(ctx: Context, run: Run) -> None:
 
 def _step(ctx: Context, run: Run, step: int) -> dict:
     """Trains on step ``step``'s batch; returns its log record."""
+    import numpy as np
+
     t0 = time.perf_counter()
     x, y = ctx.dataset.batch(step)
     run.params, run.opt_state, loss = run.train(run.params, run.opt_state, ctx.place.batch(x),
@@ -903,7 +1091,7 @@ def _step(ctx: Context, run: Run, step: int) -> dict:
     loss = _scalar(loss)
     dt = time.perf_counter() - t0
     run.train_s += dt
-    mult = float(run.lr_mults[step])
+    mult = float(run.lr_mult(np.int32(step)))
     return {"step": step + 1, "loss": loss, "lr_mult": mult, "lr": run.peak_lr * mult,
             "tokens_per_s": ctx.args.batch_size * ctx.args.seq_len / dt}
 
