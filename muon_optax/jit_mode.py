@@ -25,6 +25,7 @@ from muon_optax.engine import (
     state_shapes,
     tree_plan,
 )
+from muon_optax.guard import GradStats, global_stats
 from muon_optax.sharding import normalize_spec, to_partition_spec, typed_spec
 
 
@@ -41,6 +42,7 @@ def wrap_in_shard_map(opts: Options):
         return plan.treedef.unflatten([to_partition_spec(s) for s in plan.specs])
 
     explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+    skip = opts.skip_nonfinite
 
     def moved(x, spec: P, path: str = "state"):
         """Explicit axes: a leaf typed with another layout (or none: unplaced) moves to
@@ -66,7 +68,7 @@ def wrap_in_shard_map(opts: Options):
         plan = tree_plan(opts, params, axes)
         fn = functools.partial(_local_init, plan, opts)
         return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
-                             out_specs=state_partition_specs(plan, opts.axes))(
+                             out_specs=state_partition_specs(plan, opts.axes, skip))(
             placed(params, plan))
 
     def update(grads, state, params=None):
@@ -80,17 +82,27 @@ def wrap_in_shard_map(opts: Options):
         plan = tree_plan(opts, ref, axes)
         leaves = plan.treedef.flatten_up_to(ref)
         _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                               [x.dtype for x in leaves], per_device=False),
-                     name)
-        specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes)
-        fn = functools.partial(_local_update, plan, opts)
+                                               [x.dtype for x in leaves], per_device=False,
+                                               skipped=skip), name)
+        specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes, skip)
+        # Clipping and finiteness read the whole (already averaged) gradient: computed
+        # here on the global arrays, handed to every device as replicated scalars.
+        stats = GradStats(None, None)
+        if opts.max_grad_norm is not None or skip:
+            stats = global_stats(grads, opts.max_grad_norm, skip)
+        stat_specs = jax.tree.map(lambda _: P(), stats)
+
+        def fn(g, s, p, st):
+            return _local_update(plan, opts, g, s, p, st)
+
         if params is None:
-            return jax.shard_map(lambda g, s: fn(g, s, None), mesh=mesh, check_vma=False,
-                                 in_specs=(specs, sspecs), out_specs=(specs, sspecs))(
-                placed(grads, plan), placed_state(state, sspecs))
-        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs), check_vma=False,
-                             out_specs=(specs, sspecs))(
-            placed(grads, plan), placed_state(state, sspecs), placed(params, plan))
+            return jax.shard_map(lambda g, s, st: fn(g, s, None, st), mesh=mesh,
+                                 check_vma=False, in_specs=(specs, sspecs, stat_specs),
+                                 out_specs=(specs, sspecs))(
+                placed(grads, plan), placed_state(state, sspecs), stats)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs, stat_specs),
+                             check_vma=False, out_specs=(specs, sspecs))(
+            placed(grads, plan), placed_state(state, sspecs), placed(params, plan), stats)
 
     return init, update
 

@@ -11,7 +11,9 @@ same numbers per parameter, in the parameter's own layout:
      "momentum": Muon momentum  (params' structure, leaf-shaped; None at AdamW leaves),
      "second_moment": NorMuon second moment (leaf-shaped with the averaged side's axes
                        of length 1: one value per output feature if out >= in, else per
-                       input feature; None at AdamW leaves)}
+                       input feature; None at AdamW leaves),
+     "skipped": int32 scalar, steps skipped for a non-finite gradient (only from a
+                transformation built with skip_nonfinite=True)}
 
 :func:`export_state` and :func:`import_state` are pure functions of global arrays
 (eager or under ``jax.jit``): a state written on N devices continues on M devices, in
@@ -132,7 +134,7 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
         num_devices = state.muon[0].momentum.shape[0] if state.muon else 1
     plan = _plan(tx, params, num_devices, "export_state")
-    _check(plan, state, params, "export_state")
+    _check(plan, state, params, "export_state", _skips(tx))
     mesh = _explicit_mesh(tx, (state, params))
     if mesh is None:
         return _export(plan, state, params)
@@ -141,6 +143,8 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     specs = plan.treedef.unflatten([to_partition_spec(sp) for sp in plan.specs])
     out = {"count": P(), "mu": _like_adamw(plan, specs), "nu": _like_adamw(plan, specs),
            "momentum": _like_muon(plan, specs), "second_moment": _like_muon(plan, None)}
+    if state.skipped is not None:
+        out["skipped"] = P()
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), out,
                              is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.auto_axes(lambda s: _export(plan, s, params),
@@ -160,15 +164,23 @@ def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any
     momentum = _muon_leaves(plan, bufs, "momentum")
     second = _muon_leaves(plan, bufs, "second")
     unflat = plan.treedef.unflatten
-    return {"count": state.count, "mu": unflat(mu), "nu": unflat(nu),
-            "momentum": unflat([momentum.get(i) for i in range(len(leaves))]),
-            "second_moment": unflat([second.get(i) for i in range(len(leaves))])}
+    out = {"count": state.count, "mu": unflat(mu), "nu": unflat(nu),
+           "momentum": unflat([momentum.get(i) for i in range(len(leaves))]),
+           "second_moment": unflat([second.get(i) for i in range(len(leaves))])}
+    if state.skipped is not None:
+        out["skipped"] = state.skipped
+    return out
 
 
-def _check(plan: TreePlan, state: Any, params: Any, where: str) -> None:
+def _skips(tx: Any) -> bool:
+    return tx.init.options.skip_nonfinite
+
+
+def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -> None:
     leaves = plan.treedef.flatten_up_to(params)
     _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                           [x.dtype for x in leaves], per_device=False), where)
+                                           [x.dtype for x in leaves], per_device=False,
+                                           skipped=skipped), where)
 
 
 def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
@@ -213,17 +225,20 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
     mesh = _explicit_mesh(tx, (portable, params))
+    skipped = _skips(tx)
     if mesh is None:
-        return _import(plan, portable, params)
+        return _import(plan, portable, params, skipped)
     axes = tuple(a for a, _ in plan.axes) or None
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                             state_partition_specs(plan, axes),
+                             state_partition_specs(plan, axes, skipped),
                              is_leaf=lambda x: isinstance(x, P))
-    return jax.sharding.auto_axes(lambda p: _import(plan, p, params),
+    return jax.sharding.auto_axes(lambda p: _import(plan, p, params, skipped),
                                   out_sharding=shardings)(portable)
 
 
-def _import(plan: TreePlan, portable: dict[str, Any], params: Any) -> MuonAdamWState:
+def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
+            skipped: bool) -> MuonAdamWState:
+    """``skipped``: the state counts skipped steps (from the portable form, else 0)."""
     leaves = plan.treedef.flatten_up_to(params)
     want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
                         per_device=False)
@@ -242,8 +257,9 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any) -> MuonAdamWS
     muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum"),
                              _flat_buffer(plan, key, second, "second"))
                  for key in plan.state_keys)
+    skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
-                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon)
+                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips)
 
 
 def _pad(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -256,9 +272,9 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
     """The portable state of these params and groups, or an error naming the first
     mismatching path."""
     keys = {"count", "mu", "nu", "momentum", "second_moment"}
-    if not isinstance(portable, dict) or set(portable) != keys:
+    if not isinstance(portable, dict) or not keys <= set(portable) <= keys | {"skipped"}:
         raise ValueError("import_state: expected the dict made by muon_optax.export_state "
-                         f"with keys {sorted(keys)}.")
+                         f"with keys {sorted(keys)} (and 'skipped').")
     leaves = plan.treedef.flatten_up_to(params)
     muon = {m.index: m for m in plan.muon}
     second_of = {}

@@ -1,0 +1,128 @@
+"""The optax contract in every mode: what a chain would do on one device fed the global
+batch, the optimizer does with each device's own gradient (ZeRO-2), with global arrays
+(``mesh=``) and on one device. 8 simulated CPU devices (tests/conftest.py).
+
+Gradients here are always ``jax.grad`` inside the step, as a user takes them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import muon_optax
+
+try:
+    from . import sharded_problem as sp
+except ImportError:  # plain `pytest` rootdir imports (tests/ is on sys.path)
+    import sharded_problem as sp
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8,
+                                reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
+
+N = 8
+ROWS = 2            # token rows per device
+CLIP = 0.005        # below every step's global norm here: clipping acts
+
+
+def _tiny_lm():
+    rng = np.random.default_rng(0)
+    params = {"embed": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
+              "w1": (rng.standard_normal((32, 64)) / 8).astype(np.float32),
+              "w2": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
+              "gain": np.ones(32, np.float32)}
+    groups = {"adamw": dict(kind="adamw", lr=3e-3, betas=(0.8, 0.95), eps=1e-10,
+                            weight_decay=0.0),
+              "muon": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
+                           weight_decay=0.1, compute_dtype=jnp.float32)}
+    return params, groups, muon_optax.label_by_path([("embed", "adamw")])
+
+
+def _loss(params, tokens, weight):
+    """``weight`` (one per row) lets a test poison one device's rows with NaN."""
+    h = params["embed"][tokens] * params["gain"]
+    err = (jax.nn.relu(h @ params["w1"]) @ params["w2"] - h) ** 2
+    return jnp.mean(err * weight[:, None, None])
+
+
+def _batches(steps, nan_step=None):
+    """Global batches; at ``nan_step`` device 3's rows weigh NaN."""
+    out = []
+    for s in range(steps):
+        tokens = jax.random.randint(jax.random.PRNGKey(s), (ROWS * N, 8), 0, 64)
+        weight = np.ones(ROWS * N, np.float32)
+        if s == nan_step:
+            weight[3 * ROWS] = np.nan
+        out.append((tokens, jnp.asarray(weight)))
+    return out
+
+
+def _one_device_run(tx, params, batches):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, tokens, weight):
+        grads = jax.grad(_loss)(params, tokens, weight)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for tokens, weight in batches:
+        params, state = step(params, state, tokens, weight)
+    return params, state
+
+
+def _zero2_run(tx, params, batches, mesh):
+    specs = muon_optax.state_specs(tx, params, mesh)
+
+    def train_step(params, state, tokens, weight):
+        grads = jax.grad(_loss)(jax.lax.pcast(params, "data", to="varying"), tokens, weight)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(train_step, mesh=mesh,
+                                 in_specs=(P(), specs, P("data"), P("data")),
+                                 out_specs=(P(), specs)))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    for tokens, weight in batches:
+        params, state = step(params, state, tokens, weight)
+    return params, state
+
+
+def _run(mode, params, groups, labels, batches, **options):
+    if mode == "one device":
+        return _one_device_run(muon_optax.muon_adamw(groups, labels, **options), params,
+                               batches)
+    mesh = sp.make_mesh((N,))
+    if mode == "zero2":
+        tx = muon_optax.muon_adamw(groups, labels, axis_name="data", **options)
+        return _zero2_run(tx, params, batches, mesh)
+    tx = muon_optax.muon_adamw(groups, labels, axis_name="data", mesh=mesh, **options)
+    return _one_device_run(tx, params, batches)
+
+
+def _assert_close(got, want, atol=1e-5):
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=0,
+                                   atol=atol, err_msg=k)
+
+
+@pytest.mark.parametrize("mode", ["one device", "zero2", "mesh"])
+def test_clipping_and_nonfinite_steps_match_the_one_device_chain(mode):
+    """max_grad_norm= and skip_nonfinite= on the mean gradient: equal to
+    chain(clip_by_global_norm, tx) on one device fed the global batch, a NaN on one
+    device skipping the step everywhere (the state, count included, as before it)."""
+    params, groups, labels = _tiny_lm()
+    batches = _batches(4, nan_step=2)
+    ref = optax.chain(optax.clip_by_global_norm(CLIP), muon_optax.muon_adamw(groups, labels))
+    for tokens, weight in batches[:2]:   # clipping acts at the steps compared
+        norm = optax.tree.norm(jax.grad(_loss)(params, tokens, weight))
+        assert norm > 2 * CLIP, norm
+    want, want_state = _one_device_run(ref, params, batches[:2] + batches[3:])
+    got, state = _run(mode, params, groups, labels, batches, max_grad_norm=CLIP,
+                      skip_nonfinite=True)
+    _assert_close(got, want)
+    assert int(state.count) == 3 and int(state.skipped) == 1
+    np.testing.assert_allclose(np.asarray(state.nu["embed"])[:64],
+                               np.asarray(want_state[1].nu["embed"]), rtol=1e-4, atol=1e-12)
