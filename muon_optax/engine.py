@@ -429,7 +429,11 @@ def local_fns(opts: Options):
         return tuple((a, jax.lax.axis_size(a)) for a in opts.axes)
 
     def init_fn(params):
-        return _local_init(tree_plan(opts, params, axes_here()), opts, params)
+        plan = tree_plan(opts, params, axes_here())
+        if opts.axes is not None:
+            _check_whole_params(plan, Collectives(opts.axes, where=opts.name),
+                                plan.treedef.flatten_up_to(params), opts.name)
+        return _local_init(plan, opts, params)
 
     def update_fn(grads, state, params=None):
         if params is None and _needs_params(opts):

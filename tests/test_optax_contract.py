@@ -126,3 +126,30 @@ def test_clipping_and_nonfinite_steps_match_the_one_device_chain(mode):
     assert int(state.count) == 3 and int(state.skipped) == 1
     np.testing.assert_allclose(np.asarray(state.nu["embed"])[:64],
                                np.asarray(want_state[1].nu["embed"]), rtol=1e-4, atol=1e-12)
+
+
+@pytest.mark.parametrize("where", ["init", "update"])
+def test_params_split_inside_shard_map_are_refused(where):
+    """in_specs=P("data") hands each device an 8-row block of each matrix: Muon would
+    orthogonalize the blocks, a wrong step without a word. The types show it."""
+    params, _, _ = _tiny_lm()
+    params = {"w1": params["w1"], "w2": params["w2"]}
+    mesh = sp.make_mesh((N,))
+    tx = muon_optax.muon(0.02, axis_name="data")
+    specs = muon_optax.state_specs(tx, params, mesh)
+
+    def train_step(params, state):
+        grads = jax.grad(lambda p: sum(jnp.sum(jnp.sin(w)) for w in p.values()))(params)
+        return tx.update(grads, state, params)
+
+    if where == "init":
+        fn = jax.shard_map(tx.init, mesh=mesh, in_specs=P("data"), out_specs=specs)
+        args = (params,)
+    else:
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(
+            params)
+        fn = jax.shard_map(train_step, mesh=mesh, in_specs=(P("data"), specs),
+                           out_specs=(P("data"), specs))
+        args = (params, state)
+    with pytest.raises(ValueError, match=r"'w1' varies over mesh axis 'data'.*mesh="):
+        jax.jit(fn)(*args)
