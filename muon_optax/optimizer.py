@@ -52,8 +52,10 @@ def muon_adamw(
     Args:
       groups: group name -> a dict in nanochat's ``param_groups`` format without
         ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
-        ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``; Muon groups
-        also take ``row_equilibration`` (default True), ``renormalize`` (default True),
+        ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``. Only ``lr``
+        is required; the rest default to :func:`muon_optax.adamw`'s and
+        :func:`muon_optax.muon`'s defaults. Muon groups also take
+        ``row_equilibration`` (default True), ``renormalize`` (default True),
         ``compute_dtype``, ``polar_method``, ``ns_coeffs`` ("polar_express"),
         ``nesterov`` (True), ``normuon`` (True), ``cautious`` (True),
         ``preconditioning`` ("basin") and ``mu_dtype`` (None) (see
