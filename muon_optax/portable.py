@@ -132,7 +132,7 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     """
     if num_devices is None and getattr(tx.init, "options", None) is not None \
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
-        num_devices = state.muon[0].momentum.shape[0] if state.muon else 1
+        num_devices = _state_devices(tx, state, params)
     plan = _plan(tx, params, num_devices, "export_state")
     _check(plan, state, params, "export_state", _skips(tx))
     mesh = _explicit_mesh(tx, (state, params))
@@ -149,6 +149,27 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
                              is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.auto_axes(lambda s: _export(plan, s, params),
                                   out_sharding=shardings)(state)
+
+
+def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
+    """The device count a ZeRO-2 state was made for: the rows of its Muon buffers, else
+    the owner axes' size in the mesh its arrays lie on; else (a state of AdamW leaves
+    under jit) one device if that fits (the per-parameter form is then the same for
+    any count), or a clear error."""
+    if state.muon:
+        return state.muon[0].momentum.shape[0]
+    axes = tx.init.options.axes
+    for x in jax.tree.leaves(state):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if isinstance(x, jax.Array) and mesh is not None and not isinstance(x, jax.core.Tracer) \
+                and all(a in mesh.shape for a in axes):
+            return int(np.prod([mesh.shape[a] for a in axes]))
+    try:
+        _check(_plan(tx, params, 1, "export_state"), state, params, "export_state", _skips(tx))
+    except ValueError as e:
+        raise ValueError("export_state: this state's device count cannot be read from it "
+                         "(no Muon leaves, traced arrays): pass num_devices=.") from e
+    return 1
 
 
 def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any]:

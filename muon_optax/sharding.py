@@ -151,12 +151,13 @@ LEADING_AXIS_MAX_PADDING = 1 / 32
 def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -> int | None:
     """The axis along which a large AdamW parameter is split, or None (replicated).
 
-    Parameters under ``threshold`` elements are all-reduced and updated everywhere.
+    Parameters under ``threshold`` elements (and scalars and empty ones, whatever the
+    threshold) are all-reduced and updated everywhere.
     Otherwise the leading axis, if padding it to a multiple of N adds at most
     ``LEADING_AXIS_MAX_PADDING`` of its length; else the axis with the least padding.
     """
-    if math.prod(shape) < threshold or not shape:
-        return None
+    if math.prod(shape) < threshold or not math.prod(shape):
+        return None   # small, a scalar, or size 0 (nothing to split)
     padding = [-(-n // num_devices) * num_devices - n for n in shape]
     if padding[0] <= LEADING_AXIS_MAX_PADDING * shape[0]:
         return 0

@@ -153,3 +153,52 @@ def test_params_split_inside_shard_map_are_refused(where):
         args = (params, state)
     with pytest.raises(ValueError, match=r"'w1' varies over mesh axis 'data'.*mesh="):
         jax.jit(fn)(*args)
+
+
+def _adamw_zero2_state(tx, params, steps=2):
+    mesh = sp.make_mesh((N,))
+    specs = muon_optax.state_specs(tx, params, mesh)
+
+    def train_step(params, state, x):
+        grads = jax.grad(lambda p: sum(jnp.sum(jnp.sin(w * x[0, 0])) for w in p.values()))(
+            jax.lax.pcast(params, "data", to="varying"))
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    for s in range(steps):
+        params, state = step(params, state, jnp.arange(N, dtype=jnp.float32)[:, None] + s)
+    return params, state
+
+
+def test_export_of_a_zero2_state_without_muon_reads_the_device_count():
+    """No Muon buffers to read the device count from: the padded AdamW moments' layout
+    says it (export_state used to take one device and fail on the padding)."""
+    params = {"embed": np.linspace(-1, 1, 97 * 13, dtype=np.float32).reshape(97, 13),
+              "gain": np.ones(5, np.float32)}
+    tx = muon_optax.adamw(1e-2, axis_name="data")
+    _, state = _adamw_zero2_state(tx, params)
+    got = muon_optax.export_state(tx, state, params)
+    want = muon_optax.export_state(tx, state, params, num_devices=N)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert got["mu"]["embed"].shape == (97, 13)
+
+
+def test_size_zero_adamw_leaf_stays_whole_under_zero2():
+    """small_param_threshold=0 splits every AdamW leaf, but one of size 0 has nothing to
+    split (all_gather of its empty slices failed)."""
+    params = {"empty": np.zeros((0, 4), np.float32),
+              "w": np.linspace(-1, 1, 48, dtype=np.float32).reshape(16, 3)}
+    tx = muon_optax.muon_adamw({"a": dict(kind="adamw", lr=1e-2)},
+                               lambda p: jax.tree.map(lambda _: "a", p), axis_name="data",
+                               small_param_threshold=0)
+    got, _ = _adamw_zero2_state(tx, params, steps=1)
+    one = muon_optax.adamw(1e-2)
+    grads = jax.grad(lambda p: sum(jnp.sum(jnp.sin(w * x)) for w in p.values()
+                                   for x in np.arange(N)) / N)(params)
+    want = optax.apply_updates(params, one.update(grads, one.init(params), params)[0])
+    _assert_close(got, want)
+    assert got["empty"].shape == (0, 4)
