@@ -285,7 +285,10 @@ def _check_varying(plan: TreePlan, comm: Collectives, g_leaves, name: str) -> No
                 f" of params passed with P() inside shard_map returns the sum). This optimizer "
                 f"averages per-device gradients itself: take them at "
                 f"jax.lax.pcast(params, {axes!r}, to='varying') before jax.grad, or build the "
-                f"optimizer with mesh=... for a plain jax.jit train step.")
+                f"optimizer with mesh=... for a plain jax.jit train step. Under optax.MultiSteps "
+                f"(whose accumulator cannot hold per-device gradients between steps here): "
+                f"accumulate the micro-batches' gradients inside one step and call update once "
+                f"(README, 'Gradient accumulation'), or use the mesh= form.")
 
 
 def _check_whole_params(plan: TreePlan, comm: Collectives, p_leaves, name: str) -> None:

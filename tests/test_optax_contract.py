@@ -202,3 +202,22 @@ def test_size_zero_adamw_leaf_stays_whole_under_zero2():
     want = optax.apply_updates(params, one.update(grads, one.init(params), params)[0])
     _assert_close(got, want)
     assert got["empty"].shape == (0, 4)
+
+
+def test_multisteps_inside_shard_map_points_to_the_accumulation_recipe():
+    params, groups, labels = _tiny_lm()
+    mesh = sp.make_mesh((N,))
+    inner = muon_optax.muon_adamw(groups, labels, axis_name="data")
+    tx = optax.MultiSteps(inner, 2)
+    specs = optax.MultiStepsState(P(), P(), muon_optax.state_specs(inner, params, mesh), P(),
+                                  ())
+
+    def train_step(params, state, tokens, weight):
+        grads = jax.grad(_loss)(jax.lax.pcast(params, "data", to="varying"), tokens, weight)
+        return tx.update(grads, state, params)
+
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    step = jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                         out_specs=(P(), specs))
+    with pytest.raises(ValueError, match="MultiSteps.*'Gradient accumulation'"):
+        jax.jit(step)(params, state, *_batches(1)[0])
