@@ -49,6 +49,7 @@ from muon_optax.sharding import (
 )
 from muon_optax.stacks import MuonBuffers, muon_phase
 from muon_optax.transport import Transports
+from muon_optax.wrapped import recorder
 
 
 class MuonAdamWState(NamedTuple):
@@ -382,7 +383,17 @@ class Init:
         return state_specs_of(self.options, params, mesh)
 
     def __call__(self, params: Any) -> MuonAdamWState:
+        rec = recorder()
+        if rec is not None:   # muon_optax.state_specs looking inside a wrapper
+            return rec.record(self, params)
         return self._fn(params)
+
+    def global_shapes(self, params: Any, axes: tuple[tuple[str, int], ...]) -> MuonAdamWState:
+        """The state's global shape structs for ``params`` over owner ``axes``."""
+        plan = tree_plan(self.options, params, axes)
+        leaves = plan.treedef.flatten_up_to(params)
+        return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
+                            per_device=False, skipped=self.options.skip_nonfinite)
 
     def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
         """The static plan of ``params`` (for ``num_devices`` devices along one owner

@@ -7,7 +7,9 @@ updates leave laid out like the params and the state stays split over the owner 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -90,21 +92,48 @@ def wrap_in_shard_map(opts: Options):
         stats = GradStats(None, None)
         if opts.max_grad_norm is not None or skip:
             stats = global_stats(grads, opts.max_grad_norm, skip)
-        stat_specs = jax.tree.map(lambda _: P(), stats)
+        # Traced hyperparameters (optax.inject_hyperparams') enter as arguments: a
+        # shard_map may not close over arrays on Explicit axes.
+        extras = (stats, _array_hparams(opts))
+        extra_specs = jax.tree.map(lambda _: P(), extras)
+        extras = jax.tree.map(moved, extras, extra_specs)
 
-        def fn(g, s, p, st):
-            return _local_update(plan, opts, g, s, p, st)
+        def fn(g, s, p, ex):
+            return _local_update(plan, _with_arrays(opts, ex[1]), g, s, p, ex[0])
 
         if params is None:
-            return jax.shard_map(lambda g, s, st: fn(g, s, None, st), mesh=mesh,
-                                 check_vma=False, in_specs=(specs, sspecs, stat_specs),
+            return jax.shard_map(lambda g, s, ex: fn(g, s, None, ex), mesh=mesh,
+                                 check_vma=False, in_specs=(specs, sspecs, extra_specs),
                                  out_specs=(specs, sspecs))(
-                placed(grads, plan), placed_state(state, sspecs), stats)
-        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs, stat_specs),
+                placed(grads, plan), placed_state(state, sspecs), extras)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs, extra_specs),
                              check_vma=False, out_specs=(specs, sspecs))(
-            placed(grads, plan), placed_state(state, sspecs), placed(params, plan), stats)
+            placed(grads, plan), placed_state(state, sspecs), placed(params, plan), extras)
 
     return init, update
+
+
+def _array_hparams(opts: Options) -> dict[str, Any]:
+    """The hyperparameters given as arrays (traced under ``optax.inject_hyperparams``):
+    ``{group: {field: array}}``, and ``max_grad_norm`` under ``""``."""
+    out: dict[str, Any] = {}
+    for name, cfg in opts.configs.items():
+        found = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                 if isinstance(getattr(cfg, f.name), jax.Array)}
+        if found:
+            out[name] = found
+    if isinstance(opts.max_grad_norm, jax.Array):
+        out[""] = {"max_grad_norm": opts.max_grad_norm}
+    return out
+
+
+def _with_arrays(opts: Options, arrays: dict[str, Any]) -> Options:
+    """``opts`` with the arrays of :func:`_array_hparams` put back (inside shard_map)."""
+    if not arrays:
+        return opts
+    configs = {name: dataclasses.replace(cfg, **arrays[name]) if name in arrays else cfg
+               for name, cfg in opts.configs.items()}
+    return dataclasses.replace(opts, configs=configs, **arrays.get("", {}))
 
 
 def _outside_shard_map(name: str) -> None:

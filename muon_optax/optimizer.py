@@ -101,6 +101,14 @@ def muon_adamw(
       An ``optax.GradientTransformation`` with :class:`MuonAdamWState`. ``update``
       needs ``params``.
     """
+    if isinstance(small_param_threshold, jax.Array):
+        raise TypeError(
+            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
+            "hyperparameters live in the groups dict, which it leaves alone (it took "
+            "small_param_threshold for one). Schedule a group's values instead: every scalar "
+            "of a group may be an optax schedule, e.g. dict(kind='muon', "
+            "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
+            "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
     configs = parse_groups(groups)
     check_owner_args(axis_name, mesh, "muon_adamw")
     if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):

@@ -42,6 +42,7 @@ from muon_optax.layout import MatrixLeaf
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import to_partition_spec, typed_spec
 from muon_optax.transport import member_rows
+from muon_optax.wrapped import locate
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
@@ -58,6 +59,26 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan
     elif opts.mesh is not None:
         num_devices = None
     return init.plan(params, num_devices)
+
+
+def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
+    """``(tx, state, params)`` of the one muon_optax transformation inside a chain or
+    wrapper (see :mod:`muon_optax.wrapped`); ``tx`` itself if it is one."""
+    if hasattr(getattr(tx, "init", None), "plan"):
+        return tx, state, params
+
+    def shapes_of(init, seen):   # the structure only: any device count will do
+        opts = init.options
+        mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
+        return init.global_shapes(seen, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
+
+    found, _ = locate(tx, params, shapes_of)
+    if len(found) != 1:
+        raise TypeError(f"export_state: found {len(found)} muon_optax transformations in this "
+                        "one; pass the muon_optax transformation itself and its part of the "
+                        "state.")
+    f = found[0]
+    return optax.GradientTransformation(f.init, None), f.part(state), f.params
 
 
 def _explicit_mesh(tx: Any, trees: Any) -> Any:
@@ -123,13 +144,15 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     """``tx``'s state as per-parameter arrays that do not depend on devices or mode.
 
     Args:
-      tx: the transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``).
+      tx: the transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``),
+        or a chain or wrapper holding one (its part of the state is exported).
       state: its state, as global arrays (what ``init``/``update`` return under jit).
       params: the params (arrays or shape structs) the state belongs to.
       num_devices: only for a transformation built with ``axis_name`` but no ``mesh``,
         used inside your own ``shard_map``: the device count the state was made for
         (default: read from the state).
     """
+    tx, state, params = _inside(tx, state, params)
     if num_devices is None and getattr(tx.init, "options", None) is not None \
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
         num_devices = _state_devices(tx, state, params)

@@ -221,3 +221,79 @@ def test_multisteps_inside_shard_map_points_to_the_accumulation_recipe():
                          out_specs=(P(), specs))
     with pytest.raises(ValueError, match="MultiSteps.*'Gradient accumulation'"):
         jax.jit(step)(params, state, *_batches(1)[0])
+
+
+def _is_spec(x):
+    return isinstance(x, P)
+
+
+@pytest.mark.parametrize("wrap", ["chain", "multisteps", "apply_if_finite", "partition"])
+def test_state_specs_find_the_state_inside_wrappers(wrap):
+    params, groups, labels = _tiny_lm()
+    mesh = sp.make_mesh((N,))
+    tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
+    inner = muon_optax.state_specs(tx, params, mesh)
+    if wrap == "chain":
+        outer, want = optax.chain(optax.clip(1.0), tx), (optax.EmptyState(), inner)
+    elif wrap == "multisteps":
+        outer = optax.MultiSteps(tx, 2)
+        want = optax.MultiStepsState(P(), P(), inner, jax.tree.map(lambda _: P(), params), ())
+    elif wrap == "apply_if_finite":
+        outer = optax.apply_if_finite(tx, 3)
+        want = optax.ApplyIfFiniteState(P(), P(), P(), inner)
+    else:
+        outer = optax.partition({"all": tx, "none": optax.set_to_zero()},
+                                jax.tree.map(lambda _: "all", params))
+        want = optax.PartitionState({"all": optax.MaskedState(muon_optax.state_specs(
+            tx, params, mesh)), "none": optax.MaskedState(optax.EmptyState())})
+    got = muon_optax.state_specs(outer, params, mesh)
+    assert jax.tree.structure(got, is_leaf=_is_spec) == jax.tree.structure(want,
+                                                                          is_leaf=_is_spec)
+    assert jax.tree.leaves(got, is_leaf=_is_spec) == jax.tree.leaves(want, is_leaf=_is_spec)
+
+
+def test_inject_hyperparams_runs_in_every_mode_and_names_static_args():
+    """adamw under inject_hyperparams: ZeRO-2 (its state laid out by state_specs), and
+    mesh= on an Explicit mesh (the injected lr, an array, enters the engine's shard_map
+    as an argument: closing over it failed). A Mesh without static_args is refused with
+    the fix."""
+    params, _, _ = _tiny_lm()
+    params = {"embed": params["embed"]}
+    mesh = sp.make_mesh((N,))
+    inject = optax.inject_hyperparams(muon_optax.adamw, static_args=("axis_name", "mesh"))
+    grads = jax.tree.map(lambda x: jnp.cos(x * 3), params)
+    one = muon_optax.adamw(1e-2, weight_decay=0.1)
+    want = one.update(grads, one.init(params), params)[0]
+
+    tx = inject(lr=1e-2, weight_decay=0.1, axis_name="data")
+    specs = muon_optax.state_specs(tx, params, mesh)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    upd = jax.jit(jax.shard_map(
+        lambda g, s, p: tx.update(jax.lax.pcast(g, "data", to="varying"), s, p), mesh=mesh,
+        in_specs=(P(), specs, P()), out_specs=(P(), specs)))
+    _assert_close(upd(grads, state, params)[0], want, atol=1e-7)
+
+    explicit = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = inject(lr=1e-2, weight_decay=0.1, axis_name="data", mesh=explicit)
+    with jax.set_mesh(explicit):
+        placed = jax.device_put(params, jax.sharding.NamedSharding(explicit, P()))
+        state = jax.jit(tx.init)(placed)
+        _assert_close(jax.jit(tx.update)(grads, state, placed)[0], want, atol=1e-7)
+    with pytest.raises(TypeError, match=r'static_args=\("axis_name", "mesh"\)'):
+        optax.inject_hyperparams(muon_optax.adamw)(lr=1e-2, axis_name="data",
+                                                   mesh=explicit).init(params)
+    with pytest.raises(TypeError, match="schedule"):
+        optax.inject_hyperparams(muon_optax.muon_adamw)(
+            {"a": dict(kind="adamw", lr=1e-3)},
+            lambda p: jax.tree.map(lambda _: "a", p)).init(params)
+
+
+def test_export_state_finds_the_state_inside_a_chain():
+    params = {"embed": np.linspace(-1, 1, 97 * 13, dtype=np.float32).reshape(97, 13)}
+    tx = muon_optax.adamw(1e-2, axis_name="data")
+    _, state = _adamw_zero2_state(tx, params, steps=1)
+    chained = optax.chain(optax.clip(1.0), tx)
+    got = muon_optax.export_state(chained, (optax.EmptyState(), state), params)
+    want = muon_optax.export_state(tx, state, params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
