@@ -42,7 +42,7 @@ def _tiny_lm():
 
 def _loss(params, tokens, weight):
     """``weight`` (one per row) lets a test poison one device's rows with NaN."""
-    h = params["embed"][tokens] * params["gain"]
+    h = params["embed"][tokens] * params.get("gain", 1.0)
     err = (jax.nn.relu(h @ params["w1"]) @ params["w2"] - h) ** 2
     return jnp.mean(err * weight[:, None, None])
 
@@ -126,6 +126,23 @@ def test_clipping_and_nonfinite_steps_match_the_one_device_chain(mode):
     assert int(state.count) == 3 and int(state.skipped) == 1
     np.testing.assert_allclose(np.asarray(state.nu["embed"])[:64],
                                np.asarray(want_state[1].nu["embed"]), rtol=1e-4, atol=1e-12)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: muon_optax.muon(0.02, compute_dtype=jnp.float32, **kw),
+    lambda **kw: muon_optax.adamw(3e-3, weight_decay=0.1, **kw),
+    lambda **kw: muon_optax.contrib_muon(0.02, weight_decay=0.1, **kw)],
+    ids=["muon", "adamw", "contrib_muon"])
+def test_every_constructor_clips_the_mean_gradient_under_zero2(make):
+    params, _, _ = _tiny_lm()
+    if make(max_grad_norm=CLIP).init.options.name == "muon":
+        del params["gain"]                  # Muon takes matrices only
+    batches = _batches(2)
+    want, _ = _one_device_run(optax.chain(optax.clip_by_global_norm(CLIP), make()), params,
+                              batches)
+    got, _ = _zero2_run(make(axis_name="data", max_grad_norm=CLIP), params, batches,
+                        sp.make_mesh((N,)))
+    _assert_close(got, want)
 
 
 @pytest.mark.parametrize("where", ["init", "update"])
