@@ -314,3 +314,16 @@ def test_export_state_finds_the_state_inside_a_chain():
     want = muon_optax.export_state(tx, state, params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_multisteps_in_the_mesh_form_equals_one_device_on_both_micro_batches():
+    """Plain jit (mesh=): the gradients are global arrays, so MultiSteps accumulates
+    them as on one device."""
+    params, groups, labels = _tiny_lm()
+    batches = _batches(2)
+    tx = optax.MultiSteps(muon_optax.muon_adamw(groups, labels, axis_name="data",
+                                                mesh=sp.make_mesh((N,))), 2)
+    got, _ = _one_device_run(tx, params, batches)
+    both = (jnp.concatenate([b[0] for b in batches]), jnp.concatenate([b[1] for b in batches]))
+    want, _ = _one_device_run(muon_optax.muon_adamw(groups, labels), params, [both])
+    _assert_close(got, want)
