@@ -4,9 +4,12 @@ The data flow of one step (everything but the arithmetic is decided at trace tim
 :mod:`muon_optax.plan`):
 
     grads, params
+      -> reduced: AdamW leaves all-reduced or reduce-scattered, Muon matrices moved to
+         their owners (ZeRO-2); with max_grad_norm / skip_nonfinite, the mean gradient's
+         global norm and finiteness from those shares (:mod:`muon_optax.guard`)
       -> AdamW leaves: one fused elementwise update each (float32 math), where they lie
-      -> Muon matrices: moved to their owners (:mod:`muon_optax.transport`), stacked by
-         stored shape; each stack's owned slots run one batched Muon program
+      -> Muon matrices: read from their owners' shares (:mod:`muon_optax.transport`),
+         stacked by stored shape; each stack's owned slots run one batched Muon program
          (:func:`muon_optax.muon.muon_direction`), state read and written in place in
          this device's flat state buffer; directions moved back
       -> cautious update per leaf, in the leaf's own layout
