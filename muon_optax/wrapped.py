@@ -35,12 +35,6 @@ class Found(NamedTuple):
         leaves = jax.tree.leaves(state)[self.start:self.start + self.n]
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def put(self, state: Any, part: Any) -> Any:
-        """The wrapper's ``state`` with its state replaced by ``part``."""
-        leaves, treedef = jax.tree.flatten(state)
-        leaves[self.start:self.start + self.n] = jax.tree.leaves(part)
-        return jax.tree.unflatten(treedef, leaves)
-
 
 class _Recorder:
     def __init__(self, shapes_of):
