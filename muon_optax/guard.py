@@ -24,6 +24,7 @@ Where the numbers come from:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -91,7 +92,7 @@ def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
         return None
     if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:
         return max_grad_norm
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
             or not max_grad_norm > 0:
         raise ValueError(f"{where}: max_grad_norm must be a positive number (the largest "
                          f"global norm of the mean gradient) or None, got {max_grad_norm!r}.")

@@ -346,3 +346,14 @@ def test_label_by_path_bad_rules():
 def test_non_array_leaf_names_the_path():
     with pytest.raises(TypeError, match=r"parameter 'n' is a str, not an array"):
         build().init({"w": jnp.zeros((4, 8)), "n": "hello"})
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, "1", True])
+def test_bad_max_grad_norm(bad):
+    with pytest.raises(ValueError, match="adamw: max_grad_norm must be a positive number"):
+        muon_optax.adamw(1e-3, max_grad_norm=bad)
+
+
+def test_bad_skip_nonfinite():
+    with pytest.raises(TypeError, match="muon: skip_nonfinite must be True or False"):
+        muon_optax.muon(0.02, skip_nonfinite=1)
