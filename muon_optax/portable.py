@@ -49,7 +49,10 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan
     init = getattr(tx, "init", None)
     if not hasattr(init, "plan"):
         raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
-                        "(or muon/adamw) itself, not a chain or a wrapper around it.")
+                        "(or muon/adamw) itself, not a chain or a wrapper around it: import "
+                        "the state of the one you wrapped and put it in the wrapper's state "
+                        "(e.g. (optax.EmptyState(), state) for optax.chain(optax.clip(1.0), "
+                        "tx)).")
     opts = init.options
     if opts.axes is None:
         num_devices = None
