@@ -187,6 +187,8 @@ def contrib_muon(
     axis_name: str | tuple[str, ...] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
     """``optax.contrib.muon`` on muon_optax's engine: a drop-in with the same updates.
 
@@ -206,6 +208,8 @@ def contrib_muon(
       axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw`:
         ZeRO-2 inside your ``jax.shard_map`` (``axis_name``), or plain ``jax.jit``
         with params laid out over ``mesh`` in any way (FSDP, tensor parallel, ...).
+      max_grad_norm, skip_nonfinite: clipping of the mean gradient and skipped non-finite
+        steps, as in :func:`muon_optax.muon_adamw`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
@@ -233,4 +237,5 @@ def contrib_muon(
     check_owner_args(axis_name, mesh, where)
     split = _Split(muon_weight_dimension_numbers, weight_decay_mask)
     return build(configs, split.labels, dimension_numbers=split.dimension_numbers,
-                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where)
+                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where,
+                 max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)

@@ -4,9 +4,12 @@ The data flow of one step (everything but the arithmetic is decided at trace tim
 :mod:`muon_optax.plan`):
 
     grads, params
+      -> reduced: AdamW leaves all-reduced or reduce-scattered, Muon matrices moved to
+         their owners (ZeRO-2); with max_grad_norm / skip_nonfinite, the mean gradient's
+         global norm and finiteness from those shares (:mod:`muon_optax.guard`)
       -> AdamW leaves: one fused elementwise update each (float32 math), where they lie
-      -> Muon matrices: moved to their owners (:mod:`muon_optax.transport`), stacked by
-         stored shape; each stack's owned slots run one batched Muon program
+      -> Muon matrices: read from their owners' shares (:mod:`muon_optax.transport`),
+         stacked by stored shape; each stack's owned slots run one batched Muon program
          (:func:`muon_optax.muon.muon_direction`), state read and written in place in
          this device's flat state buffer; directions moved back
       -> cautious update per leaf, in the leaf's own layout
@@ -32,6 +35,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
+from muon_optax.guard import GradStats, from_sums, global_stats, scaled, select, sums
 from muon_optax.hparams import AdamWConfig, MuonConfig
 from muon_optax.labels import path_str
 from muon_optax.muon import muon_hparams
@@ -47,6 +51,8 @@ from muon_optax.sharding import (
     varying_axes,
 )
 from muon_optax.stacks import MuonBuffers, muon_phase
+from muon_optax.transport import Transports
+from muon_optax.wrapped import recorder
 
 
 class MuonAdamWState(NamedTuple):
@@ -57,12 +63,15 @@ class MuonAdamWState(NamedTuple):
     ``muon`` holds the Muon state, one :class:`MuonBuffers` per parameter (and momentum)
     dtype, or on one device per stack.
     :func:`muon_optax.export_state` gives the same state per parameter.
+    ``skipped`` counts the steps skipped for a non-finite gradient (int32; None unless
+    the optimizer was built with ``skip_nonfinite=True``); ``count`` does not count them.
     """
 
     count: jax.Array                       # int32 steps taken
     mu: Any
     nu: Any
     muon: tuple[MuonBuffers, ...]
+    skipped: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +86,8 @@ class Options:
     param_specs: Any
     threshold: int
     name: str
+    max_grad_norm: float | None = None
+    skip_nonfinite: bool = False
 
 
 # ------------------------------------------------------------------ plans
@@ -170,17 +181,14 @@ def _check_state(plan: TreePlan, state: Any, want: Any, name: str,
 # ------------------------------------------------------------------ AdamW
 
 
-def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, g_leaves,
-                 p_leaves, state, updates: list) -> tuple[Any, Any]:
-    """AdamW leaves: fills ``updates``; returns the new ``(mu, nu)`` trees.
+def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[int, tuple]:
+    """Each AdamW leaf's mean gradient and param, as this device updates them.
 
-    Split params: updated where they lie, with moments split the same way. Whole ones:
-    small params all-reduced and updated everywhere; large ones reduce-scattered along
-    their split axis, updated as a slice with their slice of the moments, and the
-    updates all-gathered back.
+    Split params (``local``): where they lie. Whole ones: small params all-reduced (the
+    same everywhere); large ones reduce-scattered along their split axis, with this
+    device's slice of the param.
     """
-    mu = plan.treedef.flatten_up_to(state.mu)
-    nu = plan.treedef.flatten_up_to(state.nu)
+    out = {}
     for a in plan.adamw:
         g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
         if a.local:
@@ -190,6 +198,18 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, g_lea
         else:
             g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
             p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
+        out[a.index] = (g, p)
+    return out
+
+
+def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads: dict,
+                 state, updates: list) -> tuple[Any, Any]:
+    """AdamW leaves, from :func:`_adamw_grads`: fills ``updates`` (a split update is
+    all-gathered back); returns the new ``(mu, nu)`` trees."""
+    mu = plan.treedef.flatten_up_to(state.mu)
+    nu = plan.treedef.flatten_up_to(state.nu)
+    for a in plan.adamw:
+        g, p = grads[a.index]
         u, mu[a.index], nu[a.index] = adamw_leaf_update(
             g, p, mu[a.index], nu[a.index], t, hps[a.group], cfg=opts.configs[a.group])
         if a.axis is not None:
@@ -204,11 +224,13 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, g_lea
 # ------------------------------------------------------------------ state layout
 
 
-def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: bool) -> Any:
+def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: bool,
+                 skipped: bool = False) -> Any:
     """The state as shape structs: one device's (``per_device``) or the global arrays.
 
     ``shapes`` are the leaves' shapes as the caller sees them (a device's blocks, or the
-    global shapes). The one truth for init, the checks and the specs.
+    global shapes); ``skipped``: the state counts skipped steps. The one truth for init,
+    the checks and the specs.
     """
     n = plan.num_devices
     mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
@@ -223,11 +245,13 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
                              jax.ShapeDtypeStruct((rows, plan.owner.second[key].length),
                                                   key[0]))
                  for key in plan.state_keys)
-    return MuonAdamWState(jax.ShapeDtypeStruct((), jnp.int32), plan.treedef.unflatten(mu),
-                          plan.treedef.unflatten(nu), muon)
+    count = jax.ShapeDtypeStruct((), jnp.int32)
+    return MuonAdamWState(count, plan.treedef.unflatten(mu), plan.treedef.unflatten(nu),
+                          muon, count if skipped else None)
 
 
-def state_partition_specs(plan: TreePlan, axes: tuple[str, ...]) -> MuonAdamWState:
+def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],
+                          skipped: bool = False) -> MuonAdamWState:
     """PartitionSpecs of the global state arrays."""
     moments = [optax.MaskedNode()] * len(plan.paths)
     for a in plan.adamw:
@@ -235,7 +259,8 @@ def state_partition_specs(plan: TreePlan, axes: tuple[str, ...]) -> MuonAdamWSta
                             else split_spec(a.axis, axes))
     tree = plan.treedef.unflatten(moments)
     buffers = MuonBuffers(split_spec(0, axes), split_spec(0, axes))
-    return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_keys))
+    return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_keys),
+                          P() if skipped else None)
 
 
 # ------------------------------------------------------------------ the step
@@ -273,35 +298,86 @@ def _check_varying(plan: TreePlan, comm: Collectives, g_leaves, name: str) -> No
                 f" of params passed with P() inside shard_map returns the sum). This optimizer "
                 f"averages per-device gradients itself: take them at "
                 f"jax.lax.pcast(params, {axes!r}, to='varying') before jax.grad, or build the "
-                f"optimizer with mesh=... for a plain jax.jit train step.")
+                f"optimizer with mesh=... for a plain jax.jit train step. Under optax.MultiSteps "
+                f"(whose accumulator cannot hold per-device gradients between steps here): "
+                f"accumulate the micro-batches' gradients inside one step and call update once "
+                f"(README, 'Gradient accumulation'), or use the mesh= form.")
+
+
+def _check_whole_params(plan: TreePlan, comm: Collectives, p_leaves, name: str) -> None:
+    """Inside the user's shard_map the params must be whole on every device: a param
+    split over an owner axis (``in_specs=P("data")``) would be orthogonalized block by
+    block, a wrong step. Readable from the types under ``check_vma=True`` only."""
+    if not comm.active or comm.grads_reduced or p_leaves is None:
+        return
+    if not varying_axes(jax.lax.axis_index(comm.axes)):
+        return  # check_vma=False: no types to read
+    for path, x in zip(plan.paths, p_leaves):
+        split = [a for a in comm.axes if a in varying_axes(x)]
+        if split:
+            raise ValueError(
+                f"{name}: the parameter {path!r} varies over mesh axis {split[0]!r}: inside "
+                f"your shard_map this optimizer (axis_name=) needs every param whole and the "
+                f"same on each device (in_specs=P()), its shape {tuple(x.shape)} the whole "
+                f"parameter's. For params split over the mesh (FSDP, tensor parallel) build "
+                f"it with mesh=... and call it under plain jax.jit. If these are whole copies "
+                f"marked varying by jax.lax.pcast, pass tx.update the params before the pcast.")
 
 
 def _local_init(plan: TreePlan, opts: Options, params: Any) -> MuonAdamWState:
     leaves = plan.treedef.flatten_up_to(params)
     want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                        per_device=True)
+                        per_device=True, skipped=opts.skip_nonfinite)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), want)
 
 
-def _local_update(plan: TreePlan, opts: Options, grads, state, params):
+def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
+                 moves: Transports) -> GradStats:
+    """:class:`GradStats` of the mean gradient from this device's reduced shares: one
+    ``psum`` of two scalars over the split shares, plus the replicated small leaves."""
+    split = [grads[a.index][0] for a in plan.adamw if a.axis is not None]
+    split += moves.reduced_buffers()
+    whole = [grads[a.index][0] for a in plan.adamw if a.axis is None]
+    total = sums(whole)
+    if split:
+        total = total + jax.lax.psum(sums(split), comm.axes)
+    return from_sums(total, opts.max_grad_norm, opts.skip_nonfinite)
+
+
+def _local_update(plan: TreePlan, opts: Options, grads, state, params,
+                  stats: GradStats | None = None):
+    """One step on this device. ``stats``: the gradient's clipping and finiteness when
+    computed by the caller (the ``mesh=`` form, on the global arrays); else computed
+    here from the mean gradient (one device, ZeRO-2) if the options ask for them."""
     comm = Collectives(opts.axes, grads_reduced=opts.mesh is not None, where=opts.name)
     _check_structure(grads, params, opts.name)
     g_leaves = plan.treedef.flatten_up_to(grads)
     p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
     _check_shapes(plan, g_leaves, p_leaves, opts.name)
     _check_varying(plan, comm, g_leaves, opts.name)
+    _check_whole_params(plan, comm, p_leaves, opts.name)
     ref = p_leaves or g_leaves
     dtypes = [x.dtype for x in ref]
     _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref], dtypes,
-                                           per_device=True), opts.name, dtypes)
+                                           per_device=True, skipped=opts.skip_nonfinite),
+                 opts.name, dtypes)
     count = state.count
     hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
+    adamw_grads = _adamw_grads(plan, comm, g_leaves, p_leaves)
+    moves = Transports(plan.owner, g_leaves, comm)
+    if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
+        stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if comm.active
+                 else global_stats(g_leaves, opts.max_grad_norm, opts.skip_nonfinite))
+    stats = stats or GradStats(None, None)
+    adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
+    moves.scale = stats.scale
     updates = [None] * len(g_leaves)
-    mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, g_leaves, p_leaves, state,
-                          updates)
-    muon = muon_phase(plan, opts.configs, comm, hps, count, g_leaves, p_leaves, state, updates)
-    new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon)
+    mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, adamw_grads, state, updates)
+    muon = muon_phase(plan, opts.configs, comm, hps, count, moves, g_leaves, p_leaves, state,
+                      updates)
+    new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped)
+    updates, new_state = select(stats.finite, updates, new_state, state)
     return plan.treedef.unflatten(updates), new_state
 
 
@@ -320,7 +396,17 @@ class Init:
         return state_specs_of(self.options, params, mesh)
 
     def __call__(self, params: Any) -> MuonAdamWState:
+        rec = recorder()
+        if rec is not None:   # muon_optax.state_specs looking inside a wrapper
+            return rec.record(self, params)
         return self._fn(params)
+
+    def global_shapes(self, params: Any, axes: tuple[tuple[str, int], ...]) -> MuonAdamWState:
+        """The state's global shape structs for ``params`` over owner ``axes``."""
+        plan = tree_plan(self.options, params, axes)
+        leaves = plan.treedef.flatten_up_to(params)
+        return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
+                            per_device=False, skipped=self.options.skip_nonfinite)
 
     def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
         """The static plan of ``params`` (for ``num_devices`` devices along one owner
@@ -370,7 +456,11 @@ def local_fns(opts: Options):
         return tuple((a, jax.lax.axis_size(a)) for a in opts.axes)
 
     def init_fn(params):
-        return _local_init(tree_plan(opts, params, axes_here()), opts, params)
+        plan = tree_plan(opts, params, axes_here())
+        if opts.axes is not None:
+            _check_whole_params(plan, Collectives(opts.axes, where=opts.name),
+                                plan.treedef.flatten_up_to(params), opts.name)
+        return _local_init(plan, opts, params)
 
     def update_fn(grads, state, params=None):
         if params is None and _needs_params(opts):
@@ -394,4 +484,5 @@ def state_specs_of(opts: Options, params: Any, mesh: jax.sharding.Mesh) -> MuonA
         raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
                          f"{missing[0]!r}.")
     axes = tuple((a, mesh.shape[a]) for a in opts.axes)
-    return state_partition_specs(tree_plan(opts, params, axes), opts.axes)
+    return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
+                                 skipped=opts.skip_nonfinite)

@@ -5,6 +5,9 @@ A group is a dict in nanochat's ``param_groups`` format, without ``params``:
     dict(kind="adamw", lr=..., betas=(b1, b2), eps=..., weight_decay=...)
     dict(kind="muon",  lr=..., momentum=..., ns_steps=..., beta2=..., weight_decay=...)
 
+Only ``lr`` is required: the rest default to :func:`muon_optax.adamw`'s and
+:func:`muon_optax.muon`'s defaults (:data:`ADAMW_DEFAULTS`, :data:`MUON_DEFAULTS`).
+
 Every scalar is a number or an optax schedule (a callable of the step count). Schedules
 are evaluated inside the jitted update on the traced step count, so a changing value
 never recompiles anything. ``ns_steps`` and the Muon options are static: they choose the
@@ -35,6 +38,8 @@ Scalar = float | Callable[[jax.Array], Any]
 
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 MUON_KEYS = ("lr", "momentum", "ns_steps", "beta2", "weight_decay")
+ADAMW_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+MUON_DEFAULTS = dict(momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.0)
 MUON_OPTIONS = ("row_equilibration", "renormalize", "compute_dtype", "polar_method",
                 "ns_coeffs", "nesterov", "normuon", "cautious", "preconditioning", "mu_dtype")
 
@@ -305,12 +310,12 @@ def parse_group(name: str, group: Mapping[str, Any]) -> AdamWConfig | MuonConfig
     if unknown:
         raise ValueError(f"{where}: unknown hyperparameter {_unknown(unknown, allowed)} for "
                          f"kind={kind!r}; allowed keys are {', '.join(allowed)}.")
-    missing = [k for k in required if k not in group]
-    if missing:
-        raise ValueError(f"{where}: missing hyperparameter {', '.join(missing)} for "
-                         f"kind={kind!r}; {'an' if kind == 'adamw' else 'a'} {kind} group "
-                         f"needs {', '.join(required)}.")
-    hp = {k: v for k, v in group.items() if k != "kind"}
+    if "lr" not in group:
+        raise ValueError(f"{where}: missing hyperparameter lr for kind={kind!r}; "
+                         f"{'an' if kind == 'adamw' else 'a'} {kind} group needs lr (the rest "
+                         f"default to muon_optax.{kind}'s defaults).")
+    defaults = ADAMW_DEFAULTS if kind == "adamw" else MUON_DEFAULTS
+    hp = {**defaults, **{k: v for k, v in group.items() if k != "kind"}}
     if kind == "adamw":
         return AdamWConfig.make(where=where, **hp)
     return MuonConfig.make(where=where, **hp)

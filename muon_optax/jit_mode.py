@@ -7,7 +7,9 @@ updates leave laid out like the params and the state stays split over the owner 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -25,6 +27,7 @@ from muon_optax.engine import (
     state_shapes,
     tree_plan,
 )
+from muon_optax.guard import GradStats, global_stats
 from muon_optax.sharding import normalize_spec, to_partition_spec, typed_spec
 
 
@@ -41,6 +44,7 @@ def wrap_in_shard_map(opts: Options):
         return plan.treedef.unflatten([to_partition_spec(s) for s in plan.specs])
 
     explicit = jax.sharding.AxisType.Explicit in tuple(mesh.axis_types)
+    skip = opts.skip_nonfinite
 
     def moved(x, spec: P, path: str = "state"):
         """Explicit axes: a leaf typed with another layout (or none: unplaced) moves to
@@ -66,7 +70,7 @@ def wrap_in_shard_map(opts: Options):
         plan = tree_plan(opts, params, axes)
         fn = functools.partial(_local_init, plan, opts)
         return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
-                             out_specs=state_partition_specs(plan, opts.axes))(
+                             out_specs=state_partition_specs(plan, opts.axes, skip))(
             placed(params, plan))
 
     def update(grads, state, params=None):
@@ -80,19 +84,56 @@ def wrap_in_shard_map(opts: Options):
         plan = tree_plan(opts, ref, axes)
         leaves = plan.treedef.flatten_up_to(ref)
         _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                               [x.dtype for x in leaves], per_device=False),
-                     name)
-        specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes)
-        fn = functools.partial(_local_update, plan, opts)
+                                               [x.dtype for x in leaves], per_device=False,
+                                               skipped=skip), name)
+        specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes, skip)
+        # Clipping and finiteness read the whole (already averaged) gradient: computed
+        # here on the global arrays, handed to every device as replicated scalars.
+        stats = GradStats(None, None)
+        if opts.max_grad_norm is not None or skip:
+            stats = global_stats(grads, opts.max_grad_norm, skip)
+        # Traced hyperparameters (optax.inject_hyperparams') enter as arguments: a
+        # shard_map may not close over arrays on Explicit axes.
+        extras = (stats, _array_hparams(opts))
+        extra_specs = jax.tree.map(lambda _: P(), extras)
+        extras = jax.tree.map(moved, extras, extra_specs)
+
+        def fn(g, s, p, ex):
+            return _local_update(plan, _with_arrays(opts, ex[1]), g, s, p, ex[0])
+
         if params is None:
-            return jax.shard_map(lambda g, s: fn(g, s, None), mesh=mesh, check_vma=False,
-                                 in_specs=(specs, sspecs), out_specs=(specs, sspecs))(
-                placed(grads, plan), placed_state(state, sspecs))
-        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs), check_vma=False,
-                             out_specs=(specs, sspecs))(
-            placed(grads, plan), placed_state(state, sspecs), placed(params, plan))
+            return jax.shard_map(lambda g, s, ex: fn(g, s, None, ex), mesh=mesh,
+                                 check_vma=False, in_specs=(specs, sspecs, extra_specs),
+                                 out_specs=(specs, sspecs))(
+                placed(grads, plan), placed_state(state, sspecs), extras)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs, extra_specs),
+                             check_vma=False, out_specs=(specs, sspecs))(
+            placed(grads, plan), placed_state(state, sspecs), placed(params, plan), extras)
 
     return init, update
+
+
+def _array_hparams(opts: Options) -> dict[str, Any]:
+    """The hyperparameters given as arrays (traced under ``optax.inject_hyperparams``):
+    ``{group: {field: array}}``, and ``max_grad_norm`` under ``""``."""
+    out: dict[str, Any] = {}
+    for name, cfg in opts.configs.items():
+        found = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                 if isinstance(getattr(cfg, f.name), jax.Array)}
+        if found:
+            out[name] = found
+    if isinstance(opts.max_grad_norm, jax.Array):
+        out[""] = {"max_grad_norm": opts.max_grad_norm}
+    return out
+
+
+def _with_arrays(opts: Options, arrays: dict[str, Any]) -> Options:
+    """``opts`` with the arrays of :func:`_array_hparams` put back (inside shard_map)."""
+    if not arrays:
+        return opts
+    configs = {name: dataclasses.replace(cfg, **arrays[name]) if name in arrays else cfg
+               for name, cfg in opts.configs.items()}
+    return dataclasses.replace(opts, configs=configs, **arrays.get("", {}))
 
 
 def _outside_shard_map(name: str) -> None:

@@ -13,6 +13,7 @@ import jax
 import optax
 
 from muon_optax.engine import Init, Options, local_fns
+from muon_optax.guard import check_options
 from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
 from muon_optax.jit_mode import wrap_in_shard_map
 from muon_optax.sharding import check_owner_args, owner_axes
@@ -24,10 +25,12 @@ def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
           dimension_numbers: Any = None, axis_name: Any = None,
           mesh: jax.sharding.Mesh | None = None, param_specs: Any = None,
           small_param_threshold: int = SMALL_PARAM_THRESHOLD,
-          name: str = "muon_adamw") -> optax.GradientTransformation:
+          name: str = "muon_adamw", max_grad_norm: Any = None,
+          skip_nonfinite: bool = False) -> optax.GradientTransformation:
     """The engine as an optax transformation, for any groups (every constructor's)."""
+    max_grad_norm = check_options(max_grad_norm, skip_nonfinite, name)
     opts = Options(dict(configs), param_labels, dimension_numbers, owner_axes(axis_name), mesh,
-                   param_specs, small_param_threshold, name)
+                   param_specs, small_param_threshold, name, max_grad_norm, skip_nonfinite)
     init_fn, update_fn = wrap_in_shard_map(opts) if mesh is not None else local_fns(opts)
     return optax.GradientTransformation(Init(init_fn, opts), update_fn)
 
@@ -41,14 +44,18 @@ def muon_adamw(
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
     small_param_threshold: int = SMALL_PARAM_THRESHOLD,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
     """nanochat's MuonAdamW: AdamW and Muon parameter groups in one transformation.
 
     Args:
       groups: group name -> a dict in nanochat's ``param_groups`` format without
         ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
-        ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``; Muon groups
-        also take ``row_equilibration`` (default True), ``renormalize`` (default True),
+        ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``. Only ``lr``
+        is required; the rest default to :func:`muon_optax.adamw`'s and
+        :func:`muon_optax.muon`'s defaults. Muon groups also take
+        ``row_equilibration`` (default True), ``renormalize`` (default True),
         ``compute_dtype``, ``polar_method``, ``ns_coeffs`` ("polar_express"),
         ``nesterov`` (True), ``normuon`` (True), ``cautious`` (True),
         ``preconditioning`` ("basin") and ``mu_dtype`` (None) (see
@@ -79,18 +86,37 @@ def muon_adamw(
         gathers them). On ``AxisType.Explicit`` axes the types carry the layouts.
       small_param_threshold: under ``axis_name``, AdamW params whole on every device with
         fewer elements are all-reduced and replicated instead of split.
+      max_grad_norm: scale the mean gradient ``g`` by ``min(1, max_grad_norm / ||g||)``,
+        its norm over every element of every leaf of every group: what
+        ``optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)`` does on one device
+        fed the global batch, in every mode (in ZeRO-2 from the reduce-scattered shares
+        and one scalar ``psum``; a transform chained before the ZeRO-2 form would see one
+        device's gradient). None: no clipping.
+      skip_nonfinite: a step whose mean gradient has a NaN or inf returns zero updates and
+        the state unchanged (``count`` too) on every device alike; ``state.skipped``
+        counts such steps (in a chain, read it from this transformation's part, e.g.
+        ``state[1].skipped``).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`MuonAdamWState`. ``update``
       needs ``params``.
     """
+    if isinstance(small_param_threshold, jax.Array):
+        raise TypeError(
+            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
+            "hyperparameters live in the groups dict, which it leaves alone (it took "
+            "small_param_threshold for one). Schedule a group's values instead: every scalar "
+            "of a group may be an optax schedule, e.g. dict(kind='muon', "
+            "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
+            "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
     configs = parse_groups(groups)
     check_owner_args(axis_name, mesh, "muon_adamw")
     if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
         raise TypeError("small_param_threshold must be an int (elements).")
     return build(configs, param_labels, dimension_numbers=dimension_numbers,
                  axis_name=axis_name, mesh=mesh, param_specs=param_specs,
-                 small_param_threshold=small_param_threshold)
+                 small_param_threshold=small_param_threshold, max_grad_norm=max_grad_norm,
+                 skip_nonfinite=skip_nonfinite)
 
 
 def muon(
@@ -114,6 +140,8 @@ def muon(
     axis_name: str | tuple[str, ...] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
     """Muon on every leaf (each must have two or more axes), as nanochat computes it.
 
@@ -157,6 +185,9 @@ def muon(
       mu_dtype: dtype of the momentum buffer (default: the parameter's).
       axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw` (for
         ``optax.partition`` users who shard).
+      max_grad_norm, skip_nonfinite: clipping of the mean gradient and skipped non-finite
+        steps, as in :func:`muon_optax.muon_adamw` (inside ``optax.partition`` they see
+        only this partition's leaves).
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
@@ -168,7 +199,8 @@ def muon(
     check_owner_args(axis_name, mesh, "muon")
     return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
                  dimension_numbers=dimension_numbers, axis_name=axis_name, mesh=mesh,
-                 param_specs=param_specs, name="muon")
+                 param_specs=param_specs, name="muon", max_grad_norm=max_grad_norm,
+                 skip_nonfinite=skip_nonfinite)
 
 
 def adamw(
@@ -180,6 +212,8 @@ def adamw(
     axis_name: str | tuple[str, ...] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
+    max_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
     """AdamW on every leaf, with nanochat's hyperparameter names.
 
@@ -194,6 +228,7 @@ def adamw(
       axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw` (no
         numeric options here, so that ``optax.inject_hyperparams`` sees only the
         hyperparameters).
+      max_grad_norm, skip_nonfinite: as in :func:`muon_optax.muon_adamw`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
@@ -201,4 +236,5 @@ def adamw(
     cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
     check_owner_args(axis_name, mesh, "adamw")
     return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params),
-                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name="adamw")
+                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name="adamw",
+                 max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)

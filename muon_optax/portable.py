@@ -11,7 +11,9 @@ same numbers per parameter, in the parameter's own layout:
      "momentum": Muon momentum  (params' structure, leaf-shaped; None at AdamW leaves),
      "second_moment": NorMuon second moment (leaf-shaped with the averaged side's axes
                        of length 1: one value per output feature if out >= in, else per
-                       input feature; None at AdamW leaves)}
+                       input feature; None at AdamW leaves),
+     "skipped": int32 scalar, steps skipped for a non-finite gradient (only from a
+                transformation built with skip_nonfinite=True)}
 
 :func:`export_state` and :func:`import_state` are pure functions of global arrays
 (eager or under ``jax.jit``): a state written on N devices continues on M devices, in
@@ -40,13 +42,17 @@ from muon_optax.layout import MatrixLeaf
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import to_partition_spec, typed_spec
 from muon_optax.transport import member_rows
+from muon_optax.wrapped import locate
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
     init = getattr(tx, "init", None)
     if not hasattr(init, "plan"):
         raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
-                        "(or muon/adamw) itself, not a chain or a wrapper around it.")
+                        "(or muon/adamw) itself, not a chain or a wrapper around it: import "
+                        "the state of the one you wrapped and put it in the wrapper's state "
+                        "(e.g. (optax.EmptyState(), state) for optax.chain(optax.clip(1.0), "
+                        "tx)).")
     opts = init.options
     if opts.axes is None:
         num_devices = None
@@ -56,6 +62,26 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan
     elif opts.mesh is not None:
         num_devices = None
     return init.plan(params, num_devices)
+
+
+def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
+    """``(tx, state, params)`` of the one muon_optax transformation inside a chain or
+    wrapper (see :mod:`muon_optax.wrapped`); ``tx`` itself if it is one."""
+    if hasattr(getattr(tx, "init", None), "plan"):
+        return tx, state, params
+
+    def shapes_of(init, seen):   # the structure only: any device count will do
+        opts = init.options
+        mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
+        return init.global_shapes(seen, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
+
+    found, _ = locate(tx, params, shapes_of)
+    if len(found) != 1:
+        raise TypeError(f"export_state: found {len(found)} muon_optax transformations in this "
+                        "one; pass the muon_optax transformation itself and its part of the "
+                        "state.")
+    f = found[0]
+    return optax.GradientTransformation(f.init, None), f.part(state), f.params
 
 
 def _explicit_mesh(tx: Any, trees: Any) -> Any:
@@ -121,18 +147,20 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     """``tx``'s state as per-parameter arrays that do not depend on devices or mode.
 
     Args:
-      tx: the transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``).
+      tx: the transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``),
+        or a chain or wrapper holding one (its part of the state is exported).
       state: its state, as global arrays (what ``init``/``update`` return under jit).
       params: the params (arrays or shape structs) the state belongs to.
       num_devices: only for a transformation built with ``axis_name`` but no ``mesh``,
         used inside your own ``shard_map``: the device count the state was made for
         (default: read from the state).
     """
+    tx, state, params = _inside(tx, state, params)
     if num_devices is None and getattr(tx.init, "options", None) is not None \
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
-        num_devices = state.muon[0].momentum.shape[0] if state.muon else 1
+        num_devices = _state_devices(tx, state, params)
     plan = _plan(tx, params, num_devices, "export_state")
-    _check(plan, state, params, "export_state")
+    _check(plan, state, params, "export_state", _skips(tx))
     mesh = _explicit_mesh(tx, (state, params))
     if mesh is None:
         return _export(plan, state, params)
@@ -141,10 +169,33 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     specs = plan.treedef.unflatten([to_partition_spec(sp) for sp in plan.specs])
     out = {"count": P(), "mu": _like_adamw(plan, specs), "nu": _like_adamw(plan, specs),
            "momentum": _like_muon(plan, specs), "second_moment": _like_muon(plan, None)}
+    if state.skipped is not None:
+        out["skipped"] = P()
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), out,
                              is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.auto_axes(lambda s: _export(plan, s, params),
                                   out_sharding=shardings)(state)
+
+
+def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
+    """The device count a ZeRO-2 state was made for: the rows of its Muon buffers, else
+    the owner axes' size in the mesh its arrays lie on; else (a state of AdamW leaves
+    under jit) one device if that fits (the per-parameter form is then the same for
+    any count), or a clear error."""
+    if state.muon:
+        return state.muon[0].momentum.shape[0]
+    axes = tx.init.options.axes
+    for x in jax.tree.leaves(state):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if isinstance(x, jax.Array) and mesh is not None and not isinstance(x, jax.core.Tracer) \
+                and all(a in mesh.shape for a in axes):
+            return int(np.prod([mesh.shape[a] for a in axes]))
+    try:
+        _check(_plan(tx, params, 1, "export_state"), state, params, "export_state", _skips(tx))
+    except ValueError as e:
+        raise ValueError("export_state: this state's device count cannot be read from it "
+                         "(no Muon leaves, traced arrays): pass num_devices=.") from e
+    return 1
 
 
 def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any]:
@@ -160,15 +211,23 @@ def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any
     momentum = _muon_leaves(plan, bufs, "momentum")
     second = _muon_leaves(plan, bufs, "second")
     unflat = plan.treedef.unflatten
-    return {"count": state.count, "mu": unflat(mu), "nu": unflat(nu),
-            "momentum": unflat([momentum.get(i) for i in range(len(leaves))]),
-            "second_moment": unflat([second.get(i) for i in range(len(leaves))])}
+    out = {"count": state.count, "mu": unflat(mu), "nu": unflat(nu),
+           "momentum": unflat([momentum.get(i) for i in range(len(leaves))]),
+           "second_moment": unflat([second.get(i) for i in range(len(leaves))])}
+    if state.skipped is not None:
+        out["skipped"] = state.skipped
+    return out
 
 
-def _check(plan: TreePlan, state: Any, params: Any, where: str) -> None:
+def _skips(tx: Any) -> bool:
+    return tx.init.options.skip_nonfinite
+
+
+def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -> None:
     leaves = plan.treedef.flatten_up_to(params)
     _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                           [x.dtype for x in leaves], per_device=False), where)
+                                           [x.dtype for x in leaves], per_device=False,
+                                           skipped=skipped), where)
 
 
 def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
@@ -213,17 +272,20 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
     mesh = _explicit_mesh(tx, (portable, params))
+    skipped = _skips(tx)
     if mesh is None:
-        return _import(plan, portable, params)
+        return _import(plan, portable, params, skipped)
     axes = tuple(a for a, _ in plan.axes) or None
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                             state_partition_specs(plan, axes),
+                             state_partition_specs(plan, axes, skipped),
                              is_leaf=lambda x: isinstance(x, P))
-    return jax.sharding.auto_axes(lambda p: _import(plan, p, params),
+    return jax.sharding.auto_axes(lambda p: _import(plan, p, params, skipped),
                                   out_sharding=shardings)(portable)
 
 
-def _import(plan: TreePlan, portable: dict[str, Any], params: Any) -> MuonAdamWState:
+def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
+            skipped: bool) -> MuonAdamWState:
+    """``skipped``: the state counts skipped steps (from the portable form, else 0)."""
     leaves = plan.treedef.flatten_up_to(params)
     want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
                         per_device=False)
@@ -242,8 +304,9 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any) -> MuonAdamWS
     muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum"),
                              _flat_buffer(plan, key, second, "second"))
                  for key in plan.state_keys)
+    skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
-                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon)
+                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips)
 
 
 def _pad(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -256,9 +319,9 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
     """The portable state of these params and groups, or an error naming the first
     mismatching path."""
     keys = {"count", "mu", "nu", "momentum", "second_moment"}
-    if not isinstance(portable, dict) or set(portable) != keys:
+    if not isinstance(portable, dict) or not keys <= set(portable) <= keys | {"skipped"}:
         raise ValueError("import_state: expected the dict made by muon_optax.export_state "
-                         f"with keys {sorted(keys)}.")
+                         f"with keys {sorted(keys)} (and 'skipped').")
     leaves = plan.treedef.flatten_up_to(params)
     muon = {m.index: m for m in plan.muon}
     second_of = {}

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from muon_optax.wrapped import locate
+
 Spec = tuple[tuple[str, ...], ...]
 """A leaf's layout: for each of its axes, the mesh axes it is split over (major first)."""
 
@@ -42,6 +44,12 @@ def check_owner_args(axis_name: Any, mesh: Any, where: str) -> None:
     axes = owner_axes(axis_name)
     if mesh is None:
         return
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Under "
+            f"optax.inject_hyperparams pass static_args=(\"axis_name\", \"mesh\"): a Mesh is "
+            f"callable (a context decorator) and inject_hyperparams takes every callable "
+            f"for a schedule.")
     if axes is None:
         raise ValueError(f"{where}: mesh= needs axis_name= naming the mesh axes that own the "
                          f"Muon matrices, one of {tuple(getattr(mesh, 'shape', {}))} or a tuple "
@@ -151,12 +159,13 @@ LEADING_AXIS_MAX_PADDING = 1 / 32
 def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -> int | None:
     """The axis along which a large AdamW parameter is split, or None (replicated).
 
-    Parameters under ``threshold`` elements are all-reduced and updated everywhere.
+    Parameters under ``threshold`` elements (and scalars and empty ones, whatever the
+    threshold) are all-reduced and updated everywhere.
     Otherwise the leading axis, if padding it to a multiple of N adds at most
     ``LEADING_AXIS_MAX_PADDING`` of its length; else the axis with the least padding.
     """
-    if math.prod(shape) < threshold or not shape:
-        return None
+    if math.prod(shape) < threshold or not math.prod(shape):
+        return None   # small, a scalar, or size 0 (nothing to split)
     padding = [-(-n // num_devices) * num_devices - n for n in shape]
     if padding[0] <= LEADING_AXIS_MAX_PADDING * shape[0]:
         return 0
@@ -249,16 +258,32 @@ def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
     """PartitionSpecs of ``tx``'s state for ``jax.shard_map``'s ``in_specs``/``out_specs``.
 
     ``tx`` is a transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``)
-    built with an ``axis_name``; ``params`` the full params (arrays or shape structs).
-    Sharded leaves get the owner axes on their split axis, the rest ``P()``::
+    built with an ``axis_name``, or a chain or wrapper holding one (``optax.chain``,
+    ``MultiSteps``, ``inject_hyperparams``, ``apply_if_finite``, ``masked``/``partition``):
+    the wrapper's own state gets ``P()``. ``params``: the full params (arrays or shape
+    structs). Sharded leaves get the owner axes on their split axis, the rest ``P()``::
 
         specs = muon_optax.state_specs(tx, params, mesh)
         state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
                                       out_specs=specs))(params)
     """
     specs_fn = getattr(tx.init, "state_specs", None)
-    if specs_fn is None:
-        raise TypeError("state_specs needs the transformation returned by "
-                        "muon_optax.muon_adamw (or muon/adamw) itself, not a chain or a "
-                        "wrapper around it; give the wrapper's own state P().")
-    return specs_fn(params, mesh)
+    if specs_fn is not None:
+        return specs_fn(params, mesh)
+
+    def shapes_of(init, seen):
+        axes = init.options.axes or ()
+        return init.global_shapes(seen, tuple((a, mesh.shape[a]) for a in axes
+                                              if a in mesh.shape))
+
+    found, shapes = locate(tx, params, shapes_of)
+    if not found:
+        raise TypeError("state_specs: no muon_optax transformation (muon_adamw, muon, adamw, "
+                        "contrib_muon) found in this one or in its state; for a plain optax "
+                        "transformation under ZeRO-2 the state is replicated: P().")
+    leaves, treedef = jax.tree.flatten(shapes)
+    specs = [P()] * len(leaves)
+    for f in found:
+        specs[f.start:f.start + f.n] = jax.tree.leaves(
+            f.init.state_specs(f.params, mesh), is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.unflatten(treedef, specs)

@@ -227,10 +227,11 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
 
 
 def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, count,
-               g_leaves, p_leaves, state, updates: list) -> tuple[MuonBuffers, ...]:
-    """Muon leaves: fills ``updates``; returns the new state buffers. The collectives
-    of a channel carry every stack's matrices at once."""
-    moves = Transports(plan.owner, g_leaves, comm)
+               moves: Transports, g_leaves, p_leaves, state,
+               updates: list) -> tuple[MuonBuffers, ...]:
+    """Muon leaves, their gradients read through ``moves``: fills ``updates``; returns
+    the new state buffers. The collectives of a channel carry every stack's matrices at
+    once."""
     bufs = dict(zip(plan.state_keys, state.muon))   # each (1, L): updated in place
     prev, duals = None, {}
     for k, sp in enumerate(plan.owner.stacks):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muon_optax.guard import scaled
 from muon_optax.layout import MatrixLeaf, Stack
 from muon_optax.plan import EXCHANGE, GATHER, LOCAL, Channel, OwnerPlan, StackPlan
 from muon_optax.polar import after
@@ -365,6 +366,7 @@ class Transports:
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
+        self.scale: jax.Array | None = None   # max_grad_norm's factor, set before load
         self.sources: dict[Any, Any] = {}
         self.sinks: dict[Any, Any] = {}
         for dt in owner.gather:
@@ -381,7 +383,16 @@ class Transports:
         return LOCAL if sp.transport == LOCAL else (sp.transport, sp.stack.dtype)
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        return self.sources[self._key(k)].load(k, j0, n, prev)
+        return scaled(self.sources[self._key(k)].load(k, j0, n, prev), self.scale)
+
+    def reduced_buffers(self) -> list[jax.Array]:
+        """The reduce-scattered gradient shares (ZeRO-2): every Muon element in exactly
+        one device's share, padding zero. Only the gather transport reduces."""
+        if any(sp.transport != GATHER for sp in self.owner.stacks):
+            raise NotImplementedError("only the gather transport reduces per-device "
+                                      "gradients (ZeRO-2)")
+        return [src.buffer for src in self.sources.values()
+                if isinstance(src, GatherSource) and src.buffer is not None]
 
     def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None = None) -> None:
         self.sinks[self._key(k)].store(k, j0, o, owned)

@@ -73,15 +73,23 @@ def test_missing_kind():
         build({"m": group})
 
 
-@pytest.mark.parametrize("kind,key", [("muon", "beta2"), ("muon", "ns_steps"),
-                                      ("adamw", "eps"), ("adamw", "betas")])
-def test_missing_hyperparameter(kind, key):
+@pytest.mark.parametrize("kind", ["muon", "adamw"])
+def test_missing_lr(kind):
     group = {k: v for k, v in (muon_group() if kind == "muon" else adamw_group()).items()
-             if k != key}
+             if k != "lr"}
     article = "an" if kind == "adamw" else "a"
-    with pytest.raises(ValueError, match=rf"group 'g': missing hyperparameter {key} for "
-                                         rf"kind='{kind}'; {article} {kind} group needs"):
+    with pytest.raises(ValueError, match=rf"group 'g': missing hyperparameter lr for "
+                                         rf"kind='{kind}'; {article} {kind} group needs lr"):
         build({"g": group}, labels=lambda p: jax.tree.map(lambda _: "g", p))
+
+
+def test_groups_take_the_constructors_defaults():
+    """A group names only what differs from muon_optax.adamw's and muon's defaults."""
+    tx = muon_optax.muon_adamw({"a": dict(kind="adamw", lr=1e-3),
+                                "m": dict(kind="muon", lr=0.02, ns_steps=4)},
+                               lambda p: jax.tree.map(lambda _: "m", p))
+    assert tx.init.configs["a"] == muon_optax.adamw(1e-3).init.configs["adamw"]
+    assert tx.init.configs["m"] == muon_optax.muon(0.02, ns_steps=4).init.configs["muon"]
 
 
 def test_unknown_hyperparameter_lists_allowed_keys():
@@ -387,3 +395,14 @@ def test_huge_finite_muon_gradients_give_finite_updates():
     w = jnp.full((3, 5), 2e19)
     np.testing.assert_allclose(muon_optax.polar.fro_norm(w)[0, 0], 2e19 * np.sqrt(15),
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, "1", True])
+def test_bad_max_grad_norm(bad):
+    with pytest.raises(ValueError, match="adamw: max_grad_norm must be a positive number"):
+        muon_optax.adamw(1e-3, max_grad_norm=bad)
+
+
+def test_bad_skip_nonfinite():
+    with pytest.raises(TypeError, match="muon: skip_nonfinite must be True or False"):
+        muon_optax.muon(0.02, skip_nonfinite=1)

@@ -71,3 +71,20 @@ def test_fsdp_snippet_runs_and_keeps_the_split():
     assert specs["w2"] == (None, "data") and specs["embed"][0] == "data", specs
     for leaf in jax.tree.leaves(ns["state"].muon):
         assert leaf.sharding.spec[0] == "data" and leaf.addressable_shards[0].data.shape[0] == 1
+
+
+def test_zero2_accumulation_snippet_equals_one_device_on_all_micro_batches():
+    """The ZeRO-2 snippet (its own step left out), then the accumulation snippet: one
+    device's step on all k micro-batches at once."""
+    setup, last = block("state = jax.jit(jax.shard_map(tx.init").rstrip().rsplit("\n", 1)
+    ns = run(setup)
+    before = ns["params"]
+    exec(compile(block("def accumulating_step("), "README.md accumulation", "exec"), ns)
+    one = muon_optax.muon_adamw(ns["groups"], muon_optax.label_by_path([("embed", "adamw")]))
+    micro = ns["micro_tokens"]
+    grads = jax.grad(ns["loss_fn"])(before, micro.reshape(-1, micro.shape[-1]))
+    expected = optax.apply_updates(before, one.update(grads, one.init(before), before)[0])
+    for k in expected:
+        change = np.asarray(expected[k]) - np.asarray(before[k])
+        np.testing.assert_allclose(np.asarray(ns["params"][k]) - np.asarray(before[k]), change,
+                                   rtol=0, atol=1e-5 * np.abs(change).max(), err_msg=k)

@@ -1,0 +1,99 @@
+"""Global-norm clipping and skipped non-finite steps, on the mean gradient.
+
+Both read the whole gradient, so in the ZeRO-2 form (inside the user's ``shard_map``,
+each device holding its own unreduced gradient) they cannot come from a transform
+chained before the optimizer: that one would see one device's gradient. Here they run
+inside the step, after the reduction. With ``g`` the mean gradient over the devices:
+
+    norm   = sqrt(sum over every element of every leaf of g^2)
+    scale  = 1 if norm < max_grad_norm else max_grad_norm / norm
+    finite = every element of g is finite
+
+which is ``optax.clip_by_global_norm(max_grad_norm)`` on one device fed the global
+batch. A step with a non-finite element returns zero updates and the state it was given,
+except ``skipped``, which counts such steps.
+
+Where the numbers come from:
+
+- one device, and the ``mesh=`` form (plain ``jax.jit``, the gradients are the usual
+  global arrays): :func:`global_stats` of the gradients, before the step;
+- ZeRO-2: each device sums its reduce-scattered shares (every element is in exactly one
+  device's share; zero padding adds nothing) and one ``psum`` of two scalars adds them
+  up; the small all-reduced leaves, the same on every device, are added after it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class GradStats(NamedTuple):
+    """What a step does with its gradient (None: that option is off)."""
+
+    scale: jax.Array | None    # float32 factor of the mean gradient
+    finite: jax.Array | None   # bool: every element finite
+
+
+def sums(leaves: Iterable[jax.Array]) -> jax.Array:
+    """``[sum of g^2, count of non-finite elements]`` over ``leaves``, float32."""
+    total = jnp.zeros(2, jnp.float32)
+    for g in leaves:
+        g32 = g.astype(jnp.float32)
+        total = total + jnp.stack([jnp.sum(g32 * g32),
+                                   jnp.sum(~jnp.isfinite(g32), dtype=jnp.float32)])
+    return total
+
+
+def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> GradStats:
+    """The step's :class:`GradStats` from the summed ``[sum of g^2, non-finite count]``."""
+    scale = None
+    if max_grad_norm is not None:
+        norm = jnp.sqrt(total[0])
+        scale = jnp.where(norm < max_grad_norm, 1.0, max_grad_norm / norm)
+    return GradStats(scale, total[1] == 0 if skip else None)
+
+
+def global_stats(grads: Any, max_grad_norm: float | None, skip: bool) -> GradStats:
+    """:class:`GradStats` of gradients that are the mean already (one device, ``mesh=``)."""
+    return from_sums(sums(jax.tree.leaves(grads)), max_grad_norm, skip)
+
+
+def scaled(g: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """``g * scale`` in float32, back in ``g``'s dtype (as a clipped gradient arrives)."""
+    if scale is None:
+        return g
+    return (g.astype(jnp.float32) * scale).astype(g.dtype)
+
+
+def select(finite: jax.Array | None, updates: list, new_state: Any, old_state: Any):
+    """The step's ``(updates, state)``: as computed where ``finite``, else zero updates,
+    the old state and one more skipped step."""
+    if finite is None:
+        return updates, new_state
+    updates = [jnp.where(finite, u, jnp.zeros((), u.dtype)) for u in updates]
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                        new_state._replace(skipped=None), old_state._replace(skipped=None))
+    skipped = old_state.skipped + jnp.where(finite, 0, 1).astype(old_state.skipped.dtype)
+    return updates, kept._replace(skipped=skipped)
+
+
+def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
+    """The two options as the constructors take them, or a clear error. A 0-d array is
+    taken as is (``optax.inject_hyperparams`` hands in numbers as traced arrays)."""
+    if not isinstance(skip_nonfinite, bool):
+        raise TypeError(f"{where}: skip_nonfinite must be True or False, "
+                        f"got {skip_nonfinite!r}.")
+    if max_grad_norm is None:
+        return None
+    if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:
+        return max_grad_norm
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
+            or not max_grad_norm > 0:
+        raise ValueError(f"{where}: max_grad_norm must be a positive number (the largest "
+                         f"global norm of the mean gradient) or None, got {max_grad_norm!r}.")
+    return float(max_grad_norm)
