@@ -302,14 +302,6 @@ def test_dimension_numbers_with_wrong_structure():
         build(dimension_numbers={"w": None}).init(PARAMS)
 
 
-def test_state_specs_on_a_chain():
-    mesh = Mesh(jax.devices()[:1], ("data",))
-    tx = optax.chain(optax.clip_by_global_norm(1.0), build(axis_name="data"))
-    with pytest.raises(TypeError, match=r"not a chain or a wrapper.*give the wrapper's own "
-                                        r"state P\(\)"):
-        muon_optax.state_specs(tx, PARAMS, mesh)
-
-
 def test_state_specs_without_axis_name():
     mesh = Mesh(jax.devices()[:1], ("data",))
     with pytest.raises(ValueError, match=r"built without axis_name; pass axis_name='data'"):
