@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
@@ -41,12 +42,13 @@ from muon_optax.sharding import (
     check_spec,
     normalize_spec,
     pad_to,
+    placed_specs,
     split_spec,
     to_partition_spec,
-    typed_spec,
     varying_axes,
 )
 from muon_optax.stacks import MuonBuffers, muon_phase
+from muon_optax.variables import unbox
 
 
 class MuonAdamWState(NamedTuple):
@@ -77,6 +79,9 @@ class Options:
     param_specs: Any
     threshold: int
     name: str
+    # Layouts seen on placed params (eager init), for the same params traced later under
+    # jax.jit on AxisType.Auto axes, whose types do not carry them.
+    learned: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 # ------------------------------------------------------------------ plans
@@ -85,9 +90,8 @@ class Options:
 def leaf_specs(opts: Options, params: Any) -> list | None:
     """Each leaf's layout over ``opts.mesh`` (None in the shard_map and one-device forms).
 
-    From ``param_specs`` if given, else from the leaves' types (Explicit mesh axes); a
-    leaf whose layout is unknown (Auto axes under ``jax.jit``) is taken as whole on every
-    device, which is right for any placement (XLA moves the data to match).
+    From ``param_specs`` if given (one ``PartitionSpec`` for all leaves, or a tree),
+    else from the leaves themselves (:func:`muon_optax.sharding.placed_specs`).
     """
     if opts.mesh is None:
         return None
@@ -97,14 +101,15 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
     if opts.param_specs is not None:
         tree = opts.param_specs(params) if callable(opts.param_specs) else opts.param_specs
         try:
-            given = treedef.flatten_up_to(tree)
+            given = ([tree] * len(leaves) if isinstance(tree, (P, NamedSharding))
+                     else treedef.flatten_up_to(unbox(tree)))
         except (ValueError, TypeError) as e:
             raise ValueError(f"{opts.name}: param_specs must have the params' structure with "
                              "a PartitionSpec at every leaf (or be a callable params -> such "
                              "a tree).") from e
         specs = [normalize_spec(s, len(x.shape), p) for s, x, p in zip(given, leaves, paths)]
     else:
-        specs = [typed_spec(x, p) or ((),) * len(x.shape) for x, p in zip(leaves, paths)]
+        specs = placed_specs(leaves, paths, opts.mesh, opts.learned, opts.name)
     for s, x, p in zip(specs, leaves, paths):
         _check_mesh(x, opts, p)
         check_spec(s, x.shape, dict(opts.mesh.shape), p, opts.axes)
@@ -307,15 +312,16 @@ class Init:
         self._fn, self.options, self.configs = fn, opts, opts.configs
 
     def state_specs(self, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-        return state_specs_of(self.options, params, mesh)
+        return state_specs_of(self.options, unbox(params), mesh)
 
     def __call__(self, params: Any) -> MuonAdamWState:
-        return self._fn(params)
+        return self._fn(unbox(params))  # nnx.Optimizer passes nnx.Param boxes
 
     def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
         """The static plan of ``params`` (for ``num_devices`` devices along one owner
         axis, or the mesh's owner axes)."""
-        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices))
+        return tree_plan(self.options, unbox(params),
+                         owner_axis_sizes(self.options, num_devices))
 
     def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
         """Which matrices each stack holds and who owns them (inspection, benchmarks)."""
