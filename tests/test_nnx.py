@@ -107,6 +107,26 @@ def test_one_device_nnx_optimizer(one_device):
     assert [(s["shape"], s["size"]) for s in attn] == [((g.D, g.D), 4 * g.LAYERS)]
 
 
+def test_example_gpt_groups_refine_the_defaults():
+    """examples/gpt's custom model is laid out as Flax's modules: its rules name
+    nanochat's five groups, each inside the group the defaults give."""
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+    if str(example) not in sys.path:
+        sys.path.insert(0, str(example))
+    import model as gpt_model
+    import optim_setup
+
+    params = nnx.state(gpt_model.GPT(gpt_model.GPTConfig(n_layer=2, n_embd=64, n_head=2),
+                                     rngs=nnx.Rngs(0)), nnx.Param)
+    pairs = set(zip(jax.tree.leaves(optim_setup.param_labels(params)),
+                    jax.tree.leaves(muon_optax.label_by_path()(params))))
+    assert pairs == {("embed", "adamw"), ("lm_head", "adamw"), ("resid", "adamw"),
+                     ("x0", "adamw"), ("matrix", "muon")}
+
+
 # ------------------------------------------------------------------ mesh= without hints
 
 
