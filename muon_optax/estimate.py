@@ -45,7 +45,9 @@ def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[Tre
     if param_specs is not None:
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         given = param_specs(params) if callable(param_specs) else param_specs
-        given = treedef.flatten_up_to(unbox(given))
+        given = ([given] * treedef.num_leaves
+                 if isinstance(given, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding))
+                 else treedef.flatten_up_to(unbox(given)))
         specs = []
         for (path, x), s in zip(flat, given):
             spec = normalize_spec(s, len(x.shape), path_str(path))

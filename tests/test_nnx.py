@@ -212,6 +212,11 @@ def test_flax_sharding_metadata_and_boxed_trees():
             ops = g.optimizer_collectives(tx, opt, model, 8)
             assert set(ops) == {"all-to-all"} and ops["all-to-all"]["count"] == 2, ops
         losses = _train(model, opt)
+        pure = nnx.as_pure(state)
+        boxed = muon_optax.estimate(tx, pure, 8, param_specs=nnx.get_partition_spec(state))
+        plain = muon_optax.estimate(tx, pure, 8, param_specs=jax.tree.map(
+            lambda x: x.sharding.spec, pure))
+        assert boxed["state_bytes"] == plain["state_bytes"]
     assert np.isfinite(losses).all()
 
 
