@@ -8,7 +8,6 @@ from typing import Any, TextIO
 import optax
 
 from muon_optax.hparams import MuonConfig
-from muon_optax.variables import unbox
 
 
 def describe(tx: optax.GradientTransformation, params: Any, *,
@@ -31,7 +30,6 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
     if not hasattr(init, "plan"):
         raise TypeError("describe needs the transformation returned by muon_optax.muon_adamw "
                         "(or muon/adamw/contrib_muon) itself, not a chain or a wrapper.")
-    params = unbox(params)
     plan = init.plan(params, num_devices)
     leaves = plan.treedef.flatten_up_to(params)
     rows: list[dict[str, Any]] = [dict(path=p, shape=tuple(x.shape)) for p, x in

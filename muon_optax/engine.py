@@ -48,7 +48,7 @@ from muon_optax.sharding import (
     varying_axes,
 )
 from muon_optax.stacks import MuonBuffers, muon_phase
-from muon_optax.variables import unbox
+from muon_optax.variables import unbox, unboxed_structure
 
 
 class MuonAdamWState(NamedTuple):
@@ -102,7 +102,7 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
         tree = opts.param_specs(params) if callable(opts.param_specs) else opts.param_specs
         try:
             given = ([tree] * len(leaves) if isinstance(tree, (P, NamedSharding))
-                     else treedef.flatten_up_to(unbox(tree)))
+                     else unboxed_structure(params).flatten_up_to(unbox(tree)))
         except (ValueError, TypeError) as e:
             raise ValueError(f"{opts.name}: param_specs must have the params' structure with "
                              "a PartitionSpec at every leaf (or be a callable params -> such "
@@ -312,16 +312,15 @@ class Init:
         self._fn, self.options, self.configs = fn, opts, opts.configs
 
     def state_specs(self, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-        return state_specs_of(self.options, unbox(params), mesh)
+        return state_specs_of(self.options, params, mesh)
 
     def __call__(self, params: Any) -> MuonAdamWState:
-        return self._fn(unbox(params))  # nnx.Optimizer passes nnx.Param boxes
+        return self._fn(params)
 
     def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
         """The static plan of ``params`` (for ``num_devices`` devices along one owner
         axis, or the mesh's owner axes)."""
-        return tree_plan(self.options, unbox(params),
-                         owner_axis_sizes(self.options, num_devices))
+        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices))
 
     def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
         """Which matrices each stack holds and who owns them (inspection, benchmarks)."""

@@ -19,7 +19,7 @@ import optax
 from muon_optax.labels import path_str
 from muon_optax.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
 from muon_optax.sharding import check_spec, normalize_spec
-from muon_optax.variables import unbox
+from muon_optax.variables import unbox, unboxed_structure
 
 # Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay),
 # for the program's total in the cost model.
@@ -47,7 +47,7 @@ def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[Tre
         given = param_specs(params) if callable(param_specs) else param_specs
         given = ([given] * treedef.num_leaves
                  if isinstance(given, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding))
-                 else treedef.flatten_up_to(unbox(given)))
+                 else unboxed_structure(params).flatten_up_to(unbox(given)))
         specs = []
         for (path, x), s in zip(flat, given):
             spec = normalize_spec(s, len(x.shape), path_str(path))
@@ -79,7 +79,6 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
       it, plus the AdamW arithmetic; and ``"stacks"`` (shape, matrices, transport, slots
       per device of each stack).
     """
-    params = unbox(params)
     plan, opts = _plan(tx, params, num_devices, param_specs)
     n = num_devices
     leaves = jax.tree.leaves(params)

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from optax.contrib import MuonDimensionNumbers
 
-from muon_optax.variables import unbox
+from muon_optax.variables import unbox, unboxed_structure
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -117,7 +117,7 @@ def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],
                 groups: Sequence[str]) -> list[str]:
     """The group name of every leaf of ``params``, in flattening order, checked."""
     labels = unbox(param_labels(params) if callable(param_labels) else param_labels)
-    treedef = jax.tree.structure(params)
+    treedef = unboxed_structure(params)
     try:
         flat = treedef.flatten_up_to(labels)
     except (ValueError, TypeError) as e:

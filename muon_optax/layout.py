@@ -34,7 +34,7 @@ import numpy as np
 from optax.contrib import MuonDimensionNumbers
 
 from muon_optax.labels import attention_dimension_numbers, path_str
-from muon_optax.variables import unbox
+from muon_optax.variables import unbox, unboxed_structure
 
 DEFAULT_DIMENSION_NUMBERS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 
@@ -170,7 +170,7 @@ def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
     else:
         tree = dimension_numbers(params) if callable(dimension_numbers) else dimension_numbers
         try:
-            dims = treedef.flatten_up_to(unbox(tree))
+            dims = unboxed_structure(params).flatten_up_to(unbox(tree))
         except (ValueError, TypeError) as e:
             raise ValueError(
                 "dimension_numbers must be one MuonDimensionNumbers, or a tree with the "

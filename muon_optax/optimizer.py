@@ -16,7 +16,6 @@ from muon_optax.engine import Init, Options, local_fns
 from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
 from muon_optax.jit_mode import wrap_in_shard_map
 from muon_optax.sharding import check_owner_args, owner_axes
-from muon_optax.variables import unbox
 
 SMALL_PARAM_THRESHOLD = 1024
 
@@ -30,11 +29,7 @@ def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
     opts = Options(dict(configs), param_labels, dimension_numbers, owner_axes(axis_name), mesh,
                    param_specs, small_param_threshold, name)
     init_fn, update_fn = wrap_in_shard_map(opts) if mesh is not None else local_fns(opts)
-
-    def update(grads, state, params=None):  # nnx.Variable boxes, as init takes them
-        return update_fn(unbox(grads), unbox(state), unbox(params))
-
-    return optax.GradientTransformation(Init(init_fn, opts), update)
+    return optax.GradientTransformation(Init(init_fn, opts), update_fn)
 
 
 def muon_adamw(

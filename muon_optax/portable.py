@@ -40,7 +40,6 @@ from muon_optax.layout import MatrixLeaf
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import to_partition_spec, typed_spec
 from muon_optax.transport import member_rows
-from muon_optax.variables import unbox
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
@@ -129,7 +128,6 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
         used inside your own ``shard_map``: the device count the state was made for
         (default: read from the state).
     """
-    state, params = unbox(state), unbox(params)
     if num_devices is None and getattr(tx.init, "options", None) is not None \
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
         num_devices = state.muon[0].momentum.shape[0] if state.muon else 1
@@ -212,7 +210,6 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the
     device count to make the state for (required there).
     """
-    portable, params = unbox(portable), unbox(params)
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
     mesh = _explicit_mesh(tx, (portable, params))

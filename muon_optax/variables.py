@@ -3,9 +3,11 @@
 ``nnx.Optimizer`` calls ``tx.init(nnx.state(model, wrt))``, whose leaves are
 ``nnx.Param`` boxes, but ``tx.update`` with plain arrays (``nnx.as_pure``); Flax's own
 metadata comes boxed the same way (``nnx.get_partition_spec(state)`` holds
-``Param(value=P(...))``). Every tree argument is unboxed on entry, so that both forms
-name the same parameters with the same structure. Flax is optional: if ``flax.nnx`` has
-not been imported, no tree can hold its boxes and nothing is done.
+``Param(value=P(...))``). The argument trees (labels, dimension numbers, param specs) are
+unboxed and read against the unboxed params, so that boxed and plain trees mix; the
+params, gradients and states keep the form they come in (a boxed state stays boxed, as
+existing checkpoints hold it). Flax is optional: if ``flax.nnx`` has not been imported,
+no tree can hold its boxes and nothing is done.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def unbox(tree: Any) -> Any:
     if not any(map(is_box, jax.tree.leaves(tree, is_leaf=is_box))):
         return tree
     return jax.tree.map(lambda x: x.get_value() if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def unboxed_structure(params: Any) -> Any:
+    """The treedef of ``params`` without its boxes: an argument tree (labels, specs) is
+    flattened up to it. A box holds one value, so the leaves keep their order."""
+    return jax.tree.structure(unbox(params))
 
 
 def load_nnx_optimizer_state(optimizer: Any, state: Any) -> None:
