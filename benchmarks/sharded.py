@@ -202,7 +202,7 @@ def muon_optax_zero2(m: Problem) -> Case:
 def muon_optax_jit(m: Problem) -> Case:
     d = m.params["wte"]["embedding"].shape[1]
     tx = muon_optax.muon_adamw(common.nanochat_groups(d), common.nanochat_labels(m.params),
-                               axis_name="data", mesh=m.mesh)
+                               axis_name="data", mesh=m.mesh, param_specs=P())
     repl = NamedSharding(m.mesh, P())
     params = jax.device_put(m.params, repl)
 

@@ -20,6 +20,7 @@ from muon_optax.optimizer import adamw, muon, muon_adamw
 from muon_optax.polar import POLAR_EXPRESS_COEFFS, orthogonalize
 from muon_optax.portable import export_state, import_state
 from muon_optax.sharding import state_specs
+from muon_optax.variables import load_nnx_optimizer_state
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "import_state",
     "contrib_muon",
     "label_by_path",
+    "load_nnx_optimizer_state",
     "muon",
     "muon_adamw",
     "orthogonalize",

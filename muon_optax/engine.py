@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
@@ -45,13 +46,14 @@ from muon_optax.sharding import (
     check_spec,
     normalize_spec,
     pad_to,
+    placed_specs,
     split_spec,
     to_partition_spec,
-    typed_spec,
     varying_axes,
 )
 from muon_optax.stacks import MuonBuffers, muon_phase
 from muon_optax.transport import Transports
+from muon_optax.variables import unbox, unboxed_structure
 from muon_optax.wrapped import recorder
 
 
@@ -88,6 +90,9 @@ class Options:
     name: str
     max_grad_norm: float | None = None
     skip_nonfinite: bool = False
+    # Layouts seen on placed params (eager init), for the same params traced later under
+    # jax.jit on AxisType.Auto axes, whose types do not carry them.
+    learned: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 # ------------------------------------------------------------------ plans
@@ -96,9 +101,8 @@ class Options:
 def leaf_specs(opts: Options, params: Any) -> list | None:
     """Each leaf's layout over ``opts.mesh`` (None in the shard_map and one-device forms).
 
-    From ``param_specs`` if given, else from the leaves' types (Explicit mesh axes); a
-    leaf whose layout is unknown (Auto axes under ``jax.jit``) is taken as whole on every
-    device, which is right for any placement (XLA moves the data to match).
+    From ``param_specs`` if given (one ``PartitionSpec`` for all leaves, or a tree),
+    else from the leaves themselves (:func:`muon_optax.sharding.placed_specs`).
     """
     if opts.mesh is None:
         return None
@@ -108,14 +112,15 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
     if opts.param_specs is not None:
         tree = opts.param_specs(params) if callable(opts.param_specs) else opts.param_specs
         try:
-            given = treedef.flatten_up_to(tree)
+            given = ([tree] * len(leaves) if isinstance(tree, (P, NamedSharding))
+                     else unboxed_structure(params).flatten_up_to(unbox(tree)))
         except (ValueError, TypeError) as e:
             raise ValueError(f"{opts.name}: param_specs must have the params' structure with "
                              "a PartitionSpec at every leaf (or be a callable params -> such "
                              "a tree).") from e
         specs = [normalize_spec(s, len(x.shape), p) for s, x, p in zip(given, leaves, paths)]
     else:
-        specs = [typed_spec(x, p) or ((),) * len(x.shape) for x, p in zip(leaves, paths)]
+        specs = placed_specs(leaves, paths, opts.mesh, opts.learned, opts.name)
     for s, x, p in zip(specs, leaves, paths):
         _check_mesh(x, opts, p)
         check_spec(s, x.shape, dict(opts.mesh.shape), p, opts.axes)

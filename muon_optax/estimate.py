@@ -19,6 +19,7 @@ import optax
 from muon_optax.labels import path_str
 from muon_optax.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
 from muon_optax.sharding import check_spec, normalize_spec
+from muon_optax.variables import unbox, unboxed_structure
 
 # Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay),
 # for the program's total in the cost model.
@@ -44,7 +45,9 @@ def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[Tre
     if param_specs is not None:
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         given = param_specs(params) if callable(param_specs) else param_specs
-        given = treedef.flatten_up_to(given)
+        given = ([given] * treedef.num_leaves
+                 if isinstance(given, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding))
+                 else unboxed_structure(params).flatten_up_to(unbox(given)))
         specs = []
         for (path, x), s in zip(flat, given):
             spec = normalize_spec(s, len(x.shape), path_str(path))

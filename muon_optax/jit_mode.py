@@ -1,7 +1,8 @@
 """The plain ``jax.jit`` form (``mesh=``): the engine runs its own ``shard_map``.
 
 Every leaf enters in its own layout (``in_specs`` from the params' layouts: their types
-on Explicit mesh axes, or ``param_specs``), the gradients already averaged by XLA; the
+on Explicit mesh axes, ``param_specs``, or the placement seen at an eager ``init``: see
+:func:`muon_optax.sharding.placed_specs`), the gradients already averaged by XLA; the
 updates leave laid out like the params and the state stays split over the owner axes.
 """
 

@@ -13,6 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from optax.contrib import MuonDimensionNumbers
+
+from muon_optax.variables import unbox, unboxed_structure
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -42,10 +45,23 @@ def path_str(path: Sequence[Any]) -> str:
 # ``(..., heads, d)``: rank alone would send them to Muon.
 OTHER_NAMES = re.compile(r"(^|_)(bias|scale|embedding|embeddings|embed)$", re.IGNORECASE)
 
+# Path components (module or leaf names) of the embeddings and output heads, which
+# nanochat gives to AdamW: ``embed``, ``wte``, ``wpe``, ``tok_embeddings``,
+# ``value_embeds``, ``lm_head``, ``head``, ``cls_head``, ``unembed``, ... An ``lm_head``
+# ``nnx.Linear`` has a 2-D ``kernel`` that rank alone would send to Muon.
+OTHER_MODULES = re.compile(r"(^|_)(embeds?|embeddings?|unembed|unembedding|wte|wpe|head)$",
+                           re.IGNORECASE)
+
 
 def _leaf_name(name: str) -> str:
     """The last component of a ``/``-joined path: the parameter's own name."""
     return name.rsplit("/", 1)[-1]
+
+
+def _by_name(name: str) -> bool:
+    """Named as a bias, a scale, an embedding or an output head: not a Muon matrix."""
+    return bool(OTHER_NAMES.search(_leaf_name(name))) or any(
+        OTHER_MODULES.search(part) for part in name.split("/"))
 
 
 def label_by_path(
@@ -65,7 +81,10 @@ def label_by_path(
         whose last path component names a bias, a scale or an embedding (``bias``,
         ``scale``, ``embedding``, ``embed``, or ending in ``_bias``, ``_scale``,
         ``_embedding``, ``_embed``), whatever its rank: a scanned layer's ``(L, d)``
-        bias or norm scale, a ``DenseGeneral`` bias, an ``nnx.Embed`` table.
+        bias or norm scale, a ``DenseGeneral`` bias, an ``nnx.Embed`` table; and of
+        every leaf of an embedding or output-head module, any path component named
+        ``embed(s)``, ``embedding(s)``, ``unembed(ding)``, ``wte``, ``wpe`` or
+        ``head``, alone or after ``_`` (``lm_head/kernel``, ``tok_embeddings/weight``).
 
     Example, nanochat's split for a Flax GPT::
 
@@ -87,7 +106,7 @@ def label_by_path(
         for pattern, group in compiled:
             if pattern.search(name):
                 return group
-        if OTHER_NAMES.search(_leaf_name(name)):
+        if _by_name(name):
             return other
         return matrix if getattr(leaf, "ndim", 0) >= 2 else other
 
@@ -97,8 +116,8 @@ def label_by_path(
 def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],
                 groups: Sequence[str]) -> list[str]:
     """The group name of every leaf of ``params``, in flattening order, checked."""
-    labels = param_labels(params) if callable(param_labels) else param_labels
-    treedef = jax.tree.structure(params)
+    labels = unbox(param_labels(params) if callable(param_labels) else param_labels)
+    treedef = unboxed_structure(params)
     try:
         flat = treedef.flatten_up_to(labels)
     except (ValueError, TypeError) as e:
@@ -113,3 +132,40 @@ def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],
                 f"{', '.join(map(repr, groups))}. Add a group of that name or change the "
                 "label.")
     return list(flat)
+
+
+# Flax's attention (``nnx.MultiHeadAttention``, Linen's ``MultiHeadDotProductAttention``)
+# names its projections ``query``, ``key``, ``value`` and ``out``: ``LinearGeneral``
+# kernels ``(in, heads, head_dim)`` and ``(heads, head_dim, out)``.
+_PROJECTIONS = ("query", "key", "value")
+
+
+def attention_dimension_numbers(paths: Sequence[str],
+                                shapes: Sequence[tuple[int, ...]]) -> dict[int, Any]:
+    """Leaf index -> ``MuonDimensionNumbers`` for Flax attention kernels.
+
+    Each head-split projection is one matrix, as nanochat's ``c_q``/``c_proj``: a
+    ``(..., in, heads, head_dim)`` kernel maps ``in -> heads * head_dim`` and
+    ``(..., heads, head_dim, out)`` maps ``heads * head_dim -> out``; leading axes (a
+    scanned layer stack) stay batch axes. Recognized only where a module holds a
+    ``query`` and an ``out`` kernel whose head axes agree, so a 3-D kernel elsewhere (a
+    scanned ``nnx.Linear``'s ``(L, in, out)``) keeps the default.
+    """
+    index = {path: i for i, path in enumerate(paths)}
+    found: dict[int, Any] = {}
+    for path, i in index.items():
+        if not (path == "query/kernel" or path.endswith("/query/kernel")):
+            continue
+        prefix = path[:-len("query/kernel")]
+        out = index.get(prefix + "out/kernel")
+        q_shape = shapes[i]
+        if out is None or len(q_shape) < 3 or len(shapes[out]) != len(q_shape) \
+                or shapes[out][-3:-1] != q_shape[-2:]:
+            continue
+        found[out] = MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
+        for name in _PROJECTIONS:
+            j = index.get(prefix + name + "/kernel")
+            if j is not None and len(shapes[j]) == len(q_shape) \
+                    and shapes[j][-2:] == q_shape[-2:]:
+                found[j] = MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))
+    return found

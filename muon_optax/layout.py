@@ -33,6 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from optax.contrib import MuonDimensionNumbers
 
+from muon_optax.labels import attention_dimension_numbers, path_str
+from muon_optax.variables import unbox, unboxed_structure
+
 DEFAULT_DIMENSION_NUMBERS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 
 
@@ -156,18 +159,26 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
 
 
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
-    """Per-leaf ``MuonDimensionNumbers`` (or None for the default), flattening order."""
-    treedef = jax.tree.structure(params)
-    if dimension_numbers is None or isinstance(dimension_numbers, MuonDimensionNumbers):
+    """Per-leaf ``MuonDimensionNumbers`` in flattening order; None where the default is
+    ``(in, out)`` = the last two axes. The default reads Flax's attention kernels as one
+    matrix each (:func:`muon_optax.labels.attention_dimension_numbers`)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if isinstance(dimension_numbers, MuonDimensionNumbers):
         return [dimension_numbers] * treedef.num_leaves
-    tree = dimension_numbers(params) if callable(dimension_numbers) else dimension_numbers
-    try:
-        return treedef.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "dimension_numbers must be one MuonDimensionNumbers, or a tree with the params' "
-            "structure holding MuonDimensionNumbers (or None) at every leaf, or a callable "
-            f"params -> such a tree. Params: {treedef}.") from e
+    if dimension_numbers is None:
+        dims = [None] * treedef.num_leaves
+    else:
+        tree = dimension_numbers(params) if callable(dimension_numbers) else dimension_numbers
+        try:
+            dims = unboxed_structure(params).flatten_up_to(unbox(tree))
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                "dimension_numbers must be one MuonDimensionNumbers, or a tree with the "
+                "params' structure holding MuonDimensionNumbers (or None) at every leaf, or "
+                f"a callable params -> such a tree. Params: {treedef}.") from e
+    defaults = attention_dimension_numbers([path_str(p) for p, _ in flat],
+                                           [tuple(getattr(x, "shape", ())) for _, x in flat])
+    return [defaults.get(i) if d is None else d for i, d in enumerate(dims)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,11 +79,14 @@ def muon_adamw(
         it and its direction moves back (all-to-all), AdamW params are updated where they
         lie, and the state is split over ``axis_name``. The gradients are the usual
         (already averaged) ones.
-      param_specs: with ``mesh``, the params' layouts (a tree of ``PartitionSpec`` or
-        ``NamedSharding``, or a callable params -> such a tree). Needed only on meshes of
-        ``AxisType.Auto`` axes under ``jax.jit``, whose layouts are not in the types;
-        without it such params are taken as replicated (right for any placement; XLA
-        gathers them). On ``AxisType.Explicit`` axes the types carry the layouts.
+      param_specs: with ``mesh``, the params' layouts: a tree of ``PartitionSpec`` or
+        ``NamedSharding`` (``nnx.Variable`` boxes accepted, e.g.
+        ``nnx.get_partition_spec(state)``), a callable params -> such a tree, or one
+        ``PartitionSpec`` for all (``P()``: replicated). Needed only on meshes of
+        ``AxisType.Auto`` axes under ``jax.jit``, whose layouts are not in the types,
+        when ``init`` was not called eagerly on the placed params (which learns them);
+        without either, tracing ``init`` or ``update`` raises. On ``AxisType.Explicit``
+        axes the types carry the layouts.
       small_param_threshold: under ``axis_name``, AdamW params whole on every device with
         fewer elements are all-reduced and replicated instead of split.
       max_grad_norm: scale the mean gradient ``g`` by ``min(1, max_grad_norm / ||g||)``,

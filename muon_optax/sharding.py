@@ -235,6 +235,55 @@ def typed_spec(x: Any, path: str) -> Spec | None:
     return normalize_spec(sharding.spec, len(x.shape), path)
 
 
+def placement_spec(x: Any, path: str) -> Spec | None:
+    """The layout ``x`` shows: in its type (Explicit axes) or, for a placed array, in its
+    ``NamedSharding``; an array on one device or in host memory is whole (replicated).
+    None for a traced leaf on Auto axes (or a shape struct without a sharding)."""
+    typed = typed_spec(x, path)
+    if typed is not None:
+        return typed
+    if isinstance(x, jax.core.Tracer):
+        return None
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return normalize_spec(sharding.spec, len(x.shape), path)
+    if sharding is None and isinstance(x, jax.ShapeDtypeStruct):
+        return None
+    return ((),) * len(x.shape)
+
+
+def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding.Mesh,
+                 learned: dict, where: str) -> list[Spec]:
+    """Each leaf's layout over ``mesh`` when no ``param_specs`` were given.
+
+    Read from the leaves (:func:`placement_spec`) and remembered in ``learned`` (keyed
+    by structure and shapes): ``nnx.Optimizer`` and most users call ``init`` eagerly on
+    placed params, then ``update`` under ``jax.jit``, where on ``AxisType.Auto`` axes a
+    traced leaf's type does not say how it is split. Taking such a leaf as replicated
+    would make XLA gather it whole every step, so where the layout was never seen this
+    raises instead.
+    """
+    specs = [placement_spec(x, p) for x, p in zip(leaves, paths)]
+    key = (tuple(paths), tuple(tuple(x.shape) for x in leaves))
+    if all(s is not None for s in specs):
+        learned[key] = specs
+        return specs
+    if key in learned:
+        return [s if s is not None else known for s, known in zip(specs, learned[key])]
+    auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
+            if t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1]
+    if not auto:
+        return [s if s is not None else ((),) * len(x.shape) for s, x in zip(specs, leaves)]
+    path = paths[specs.index(None)]
+    raise ValueError(
+        f"{where}: parameter {path!r} is traced (jax.jit) on a mesh whose axes {auto} are "
+        "AxisType.Auto, so its layout is not in its type and the optimizer cannot tell how "
+        "it is split. Pass param_specs= (a tree of PartitionSpecs like the params, such as "
+        "nnx.get_partition_spec(state), or P() if all are replicated), or call tx.init "
+        "eagerly on the placed params first (as nnx.Optimizer does) so that it learns their "
+        "layout, or build the mesh with AxisType.Explicit axes.")
+
+
 def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int], path: str,
                axes: tuple[str, ...]) -> None:
     """A layout the mesh can hold: known axes, used once, dividing the axis lengths."""

@@ -90,3 +90,21 @@ def test_rules_come_before_names():
     tree = {"wte": {"embedding": jnp.ones((16, 8))}, "attn": {"bias": jnp.ones((4, 8))}}
     labels = muon_optax.label_by_path([("attn/bias", "muon"), ("wte", "embed")])
     assert labelled(tree, labels) == {"wte/embedding": "embed", "attn/bias": "muon"}
+
+
+def test_embeddings_and_heads_go_to_other_by_module_name():
+    """Leaves under an embedding or an output head, as nanochat groups them; names that
+    only contain the words (``heads``, ``multihead``) are matrices."""
+    tree = {"lm_head": {"kernel": jnp.ones((8, 16))}, "head": jnp.ones((8, 4)),
+            "cls_head": {"w": jnp.ones((8, 2))}, "unembed": {"kernel": jnp.ones((8, 16))},
+            "tok_embeddings": {"weight": jnp.ones((16, 8))}, "wpe": jnp.ones((4, 8)),
+            "value_embeds": {"0": jnp.ones((16, 8))},
+            "attn": {"heads": {"kernel": jnp.ones((8, 8))},
+                     "multihead": {"kernel": jnp.ones((8, 8))}}}
+    assert labelled(tree) == {
+        "lm_head/kernel": "adamw", "head": "adamw", "cls_head/w": "adamw",
+        "unembed/kernel": "adamw", "tok_embeddings/weight": "adamw", "wpe": "adamw",
+        "value_embeds/0": "adamw", "attn/heads/kernel": "muon",
+        "attn/multihead/kernel": "muon"}
+    rules = muon_optax.label_by_path([("lm_head", "muon")])
+    assert labelled(tree, rules)["lm_head/kernel"] == "muon"   # a rule overrides the name

@@ -1,5 +1,5 @@
 """The README's snippets run as pasted: quickstart, ZeRO-2 (and what continues it: the
-estimate, the move to one device), FSDP, the optax.contrib.muon switch."""
+estimate, the move to one device), FSDP, the optax.contrib.muon switch, nnx.Optimizer."""
 
 import re
 from pathlib import Path
@@ -36,7 +36,7 @@ def test_quickstart_runs():
 def test_zero2_snippet_and_its_continuations_run():
     assert jax.device_count() == 8  # conftest's simulated devices: the mesh snippet uses all
     ns = run(block("state = jax.jit(jax.shard_map(tx.init"), block("muon_optax.estimate("),
-             block("muon_optax.import_state("))
+             block("state1 = muon_optax.import_state("))
     assert len(ns["est"]["state_bytes"]) == 256
     assert jax.tree.structure(ns["state1"]) == jax.tree.structure(ns["one"].init(ns["params"]))
 
@@ -66,7 +66,7 @@ def test_contrib_snippet_runs():
 
 
 def test_fsdp_snippet_runs_and_keeps_the_split():
-    ns = run(block("axis_types=(AxisType.Explicit,)"))
+    ns = run(block("specs = {\"embed\": P(\"data\")"))
     specs = {k: tuple(v.sharding.spec) for k, v in ns["params"].items()}
     assert specs["w2"] == (None, "data") and specs["embed"][0] == "data", specs
     for leaf in jax.tree.leaves(ns["state"].muon):
@@ -88,3 +88,40 @@ def test_zero2_accumulation_snippet_equals_one_device_on_all_micro_batches():
         change = np.asarray(expected[k]) - np.asarray(before[k])
         np.testing.assert_allclose(np.asarray(ns["params"][k]) - np.asarray(before[k]), change,
                                    rtol=0, atol=1e-5 * np.abs(change).max(), err_msg=k)
+
+
+def _without_key_bias(model) -> dict:
+    """Params by path, less the attention's key bias (softmax ignores it: its gradient is
+    rounding noise, which Adam turns into full steps)."""
+    from flax import nnx
+
+    flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(model, nnx.Param)))[0]
+    return {muon_optax.path_str(p): np.asarray(x) for p, x in flat
+            if not muon_optax.path_str(p).endswith("key/bias")}
+
+
+def test_nnx_optimizer_snippets_one_device_fsdp_auto_and_explicit_checkpoint():
+    """The nnx.Optimizer snippets as pasted: one device; FSDP with mesh= on an Explicit
+    and (one word changed) an Auto mesh, whose step is the one-device step; then the
+    portable checkpoint onto one device, whose next step is the mesh's."""
+    from flax import nnx
+
+    one = block("optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)\nmuon_optax.describe")
+    fsdp = block("def fsdp_loss(")
+    ns = run(one)
+    want = _without_key_bias(ns["model"])
+    for axis_type in ("Explicit", "Auto"):
+        ns = run(one, fsdp.replace("AxisType.Explicit", f"AxisType.{axis_type}"))
+        got = _without_key_bias(ns["model"])
+        for path, value in want.items():
+            np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-6, err_msg=path)
+        for leaf in jax.tree.leaves(nnx.as_pure(ns["optimizer"].opt_state).muon):
+            assert leaf.sharding.spec[0] == "data", axis_type
+    exec(compile(block("muon_optax.load_nnx_optimizer_state("), "README.md nnx checkpoint",
+                 "exec"), ns)
+    assert int(ns["optimizer1"].step[...]) == 2      # the mesh's step, then the snippet's
+    with jax.set_mesh(ns["mesh"]):                    # the same second step on the mesh
+        ns["fsdp_step"](ns["model"], ns["optimizer"], ns["tokens"])
+        on_mesh = ns["fsdp_step"](ns["model"], ns["optimizer"], ns["tokens"])
+    moved = ns["train_step"](ns["model1"], ns["optimizer1"], ns["tokens"])
+    np.testing.assert_allclose(float(moved), float(on_mesh), rtol=1e-5)

@@ -339,7 +339,8 @@ def test_mesh_mode_under_plain_jit_matches_single_device_and_shards_state():
     n = 4
     mesh = sp.make_mesh((n,))
     params = sp.make_params()
-    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data", mesh=mesh)
+    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data", mesh=mesh,
+                               param_specs=P())          # replicated (Auto axes, jit)
     single = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
 
     def step(tx):
