@@ -8,10 +8,11 @@ The data flow of one step (everything but the arithmetic is decided at trace tim
          their owners (ZeRO-2); with max_grad_norm / skip_nonfinite, the mean gradient's
          global norm and finiteness from those shares (:mod:`muon_optax.guard`)
       -> AdamW leaves: one fused elementwise update each (float32 math), where they lie
-      -> Muon matrices: read from their owners' shares (:mod:`muon_optax.transport`),
-         stacked by stored shape; each stack's owned slots run one batched Muon program
-         (:func:`muon_optax.muon.muon_step`), state read and written in place in
-         this device's flat state buffer; directions moved back
+      -> Muon matrices, stacked by stored shape, each stack through the rule's one
+         kernel (:func:`muon_optax.muon.muon_step`), its state updated in place in flat
+         buffers. One device: stack -> kernel -> unstack (:mod:`muon_optax.single`).
+         Sharded: the same kernel on the slots a device owns, the matrices read from
+         and written back to their owners (:mod:`muon_optax.stacks`, ``transport``)
       -> cautious update per leaf, in the leaf's own layout
       -> updates (P_new - P), new state
 
@@ -35,6 +36,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from muon_optax import single, stacks
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
 from muon_optax.guard import GradStats, from_sums, global_stats, scaled, select, sums
 from muon_optax.hparams import AdamWConfig, MuonConfig
@@ -51,7 +53,7 @@ from muon_optax.sharding import (
     to_partition_spec,
     varying_axes,
 )
-from muon_optax.stacks import MuonBuffers, muon_phase
+from muon_optax.single import MuonBuffers
 from muon_optax.transport import Transports
 from muon_optax.variables import unbox, unboxed_structure
 from muon_optax.wrapped import recorder
@@ -374,17 +376,21 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
     adamw_grads = _adamw_grads(plan, comm, g_leaves, p_leaves)
-    moves = Transports(plan.owner, g_leaves, comm)
+    moves = Transports(plan.owner, g_leaves, comm) if comm.active else None
     if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
-        stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if comm.active
+        stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if moves
                  else global_stats(g_leaves, opts.max_grad_norm, opts.skip_nonfinite))
     stats = stats or GradStats(None, None)
     adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
-    moves.scale = stats.scale
     updates = [None] * len(g_leaves)
     mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, adamw_grads, state, updates)
-    muon = muon_phase(plan, opts.configs, comm, hps, count, moves, g_leaves, p_leaves, state,
-                      updates)
+    if moves is None:   # one device: stack -> kernel -> unstack
+        muon = single.muon_phase(plan, opts.configs, hps, count, g_leaves, p_leaves,
+                                 state.muon, stats.scale, updates)
+    else:               # owners: the same kernel, the matrices moved to and from them
+        moves.scale = stats.scale
+        muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, g_leaves,
+                                 p_leaves, state, updates)
     new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped)
     updates, new_state = select(stats.finite, updates, new_state, state)
     return plan.treedef.unflatten(updates), new_state

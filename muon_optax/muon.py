@@ -36,8 +36,8 @@ import jax.numpy as jnp
 
 from muon_optax.adamw import update_in_param_dtype
 from muon_optax.hparams import MuonConfig
+from muon_optax.order import after
 from muon_optax.polar import (
-    after,
     default_compute_dtype,
     overflow_scale,
     polar_express_stack,

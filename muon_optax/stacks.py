@@ -12,50 +12,19 @@ stack's temporaries are alive at a time.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.hparams import MuonConfig
-from muon_optax.muon import MuonStackState, leaf_update, muon_step
+from muon_optax.muon import MuonStackState, muon_step
+from muon_optax.order import after
 from muon_optax.plan import StackPlan, TreePlan
-from muon_optax.polar import after
 from muon_optax.sharding import Collectives, varying_axes
+from muon_optax.single import MuonBuffers, finish_leaves, matrix_hparams
 from muon_optax.transport import Transports
-
-
-class MuonBuffers(NamedTuple):
-    """The Muon state of the stacks of one state key (dtypes; on one device, a stack), as
-    ``(N, L)`` arrays split over the owner axes: row ``d`` is device ``d``'s share, the
-    momenta (resp. NorMuon second moments) of the matrices it owns, back to back, stack
-    by stack."""
-
-    momentum: jax.Array
-    second_moment: jax.Array
-
-
-def _slot_hparams(sp: StackPlan, hps, comm: Collectives, j0: int, n: int) -> dict:
-    """Momentum, beta2 and orientation of slots ``j0 .. j0+n``: scalars when uniform."""
-    members = sp.stack.members
-    member_of = np.repeat(np.arange(len(members)), [m.batch for m in members])
-    slots = np.maximum(sp.slots[:, j0:j0 + n], 0)        # unowned slots: as matrix 0
-    groups = sorted({m.group for m in members})
-    out = {}
-    for key in ("momentum", "beta2"):
-        if len(groups) == 1:
-            out[key] = hps[groups[0]][key]
-        else:  # a stack shared by groups: each slot's group value
-            index = np.vectorize(lambda i: groups.index(members[member_of[i]].group))(slots)
-            table = jnp.stack([hps[g][key] for g in groups])
-            out[key] = table[jnp.asarray(comm.pick(index))][:, None, None]
-    flags = np.vectorize(lambda i: members[member_of[i]].transposed)(slots)
-    if (flags == flags.flat[0]).all():
-        out["transposed"] = bool(flags.flat[0])
-    else:
-        out["transposed"] = jnp.asarray(comm.pick(flags))
-    return out
 
 
 def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
@@ -135,7 +104,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: 
     last direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     if sp.base:
-        hp = _slot_hparams(sp, hps, comm, 0, sp.base)
+        hp = matrix_hparams(sp.stack, hps, sp.slots[:, :sp.base], comm.pick)
         bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev)
         duals.append(d)
     counts = comm.pick(sp.counts)
@@ -143,7 +112,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: 
         owned = counts > j
         at = _state_at(k, sp, plan, comm, j)
         g, state = moves.load(k, j, 1, prev), _read_state(bufs, at, 1, sp)
-        hp = _slot_hparams(sp, hps, comm, j, 1)
+        hp = matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
         o, state, d = jax.lax.cond(
             owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype),
             lambda g, s: _skipped(g, s, dtype, cfg.adaptive), g, state)
@@ -194,11 +163,5 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
     local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
     directions = moves.finish(local_shapes)
     scales = _leaf_duals(plan, comm, duals)
-    for m in plan.muon:
-        hp, cfg = hps[m.group], configs[m.group]
-        o = directions[m.index]
-        if m.index in scales:
-            o = o.astype(jnp.float32) * scales[m.index]
-        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
-                                       rows=m.rows, cols=m.cols, cfg=cfg)
+    finish_leaves(plan, configs, hps, directions, scales, p_leaves, updates)
     return tuple(bufs.values())
