@@ -134,7 +134,7 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
     for k in sorted(duals):
         offsets[k], start = start, start + plan.owner.stacks[k].num_slots
     mine = jnp.concatenate([duals[k] for k in sorted(duals)])
-    everyone = comm.gather(mine, 0) if comm.active else mine
+    everyone = comm.gather(mine, 0)
     out = {}
     for k in duals:
         sp = plan.owner.stacks[k]
