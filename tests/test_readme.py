@@ -1,4 +1,4 @@
-"""The README's snippets run as pasted: quickstart, ZeRO-2 (and what continues it: the
+"""The snippets of README.md and docs/ run as pasted: quickstart, ZeRO-2 (and what continues it: the
 estimate, the move to one device), FSDP, the optax.contrib.muon switch, nnx.Optimizer."""
 
 import re
@@ -10,12 +10,13 @@ import optax
 
 import muon_optax
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [b for doc in DOCS for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
 
 
 def block(marker: str) -> str:
-    """The one python block of the README containing ``marker``."""
+    """The one python block of the README or docs/ containing ``marker``."""
     found = [b for b in BLOCKS if marker in b]
     assert len(found) == 1, (marker, len(found))
     return found[0]
