@@ -14,14 +14,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -371,3 +375,19 @@ def write_json(path: str | None, result: Any) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1, default=str)
+
+
+def import_commit(commit: str, folder: str):
+    """``muon_optax`` as of ``commit`` (``git archive`` into ``folder``), imported as
+    ``muon_optax_<commit>``, to measure it beside this checkout in one process."""
+    name = f"muon_optax_{re.sub(r'[^0-9A-Za-z]', '_', commit)}"
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "-C", str(repo), "archive", commit, "muon_optax"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    package = Path(folder, name)
+    Path(folder, "muon_optax").rename(package)
+    for f in package.glob("*.py"):  # its absolute imports name the package
+        f.write_text(re.sub(r"\bmuon_optax\b", name, f.read_text()))
+    sys.path.insert(0, folder)
+    return importlib.import_module(name)

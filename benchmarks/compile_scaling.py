@@ -14,17 +14,10 @@ steps timed in the same interleaved rounds, to compare before and after:
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,20 +28,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--against", default=None, help="an older commit to measure beside this one")
     p.add_argument("--quick", action="store_true", help="d64x2, N = 2 and 4, one rep")
     return p.parse_args(argv)
-
-
-def import_commit(commit: str, folder: str):
-    """``muon_optax`` as of ``commit``, imported as ``muon_optax_<commit>``."""
-    name = f"muon_optax_{re.sub(r'[^0-9A-Za-z]', '_', commit)}"
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "muon_optax"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-    package = Path(folder, name)
-    Path(folder, "muon_optax").rename(package)
-    for f in package.glob("*.py"):  # its absolute imports name the package
-        f.write_text(re.sub(r"\bmuon_optax\b", name, f.read_text()))
-    sys.path.insert(0, folder)
-    return importlib.import_module(name)
 
 
 def _stepper(compiled, params, state, grads):
@@ -123,7 +102,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         libraries = {"this": muon_optax}
         if args.against:
-            libraries[args.against] = import_commit(args.against, folder)
+            libraries[args.against] = common.import_commit(args.against, folder)
         print(f"# compile scaling: {args.set}, ZeRO-2 step; {common.machine_line()}\n")
         rows, runs = [], {}
         for name, library in libraries.items():

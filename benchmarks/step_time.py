@@ -25,6 +25,11 @@ step of muon_optax is compared with the peer's, and one of contrib_muon with opt
   PYTHONPATH=. python benchmarks/step_time.py --set d512x8 --reps 10
   PYTHONPATH=. python benchmarks/step_time.py --device gpu             # d768x12, 32768, bf16
   PYTHONPATH=. python benchmarks/step_time.py --quick                  # toy size, 3 reps
+  PYTHONPATH=. python benchmarks/step_time.py --contenders muon_optax --against main
+
+``--against COMMIT`` adds ``muon_optax@COMMIT``: that commit's package (``git archive``,
+imported under another name) on the same step, timed in the same rounds, to compare a
+change with where it started (ratio ``muon_optax/muon_optax@COMMIT``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import dataclasses
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +100,7 @@ def parse_args(argv=None):
                     "contrib_muon,torch,matmul,matmul_2d,stream",
                     help="comma-separated subset (default: all)")
     ap.add_argument("--stream-mib", type=int, default=64, help="MiB per 'stream' array (64)")
+    ap.add_argument("--against", help="a commit whose muon_optax runs beside this one")
     ap.add_argument("--peer-dir", default=str(DEFAULT_PEER_DIR),
                     help="folder of torch_muon_adamw.py (default: the first of shared/peers, "
                     ".device/peers in the checkout, shared/peers above it, that exists)")
@@ -137,9 +144,9 @@ def jax_step(tx: optax.GradientTransformation, s: Setup, flops: float) -> Conten
                      lambda: [np.asarray(x, np.float32) for x in jax.tree.leaves(box[0])])
 
 
-def muon_optax_contender(s: Setup, method: str) -> Contender:
+def muon_optax_contender(s: Setup, method: str, library: Any = muon_optax) -> Contender:
     d, compute = s.args.width, jnp.dtype(s.args.compute_dtype)
-    tx = muon_optax.muon_adamw(common.nanochat_groups(d, compute_dtype=compute,
+    tx = library.muon_adamw(common.nanochat_groups(d, compute_dtype=compute,
                                                       polar_method=method),
                                common.nanochat_labels(s.params))
     key = "flops" if method == "auto" else "direct"
@@ -355,6 +362,12 @@ def main(argv=None) -> dict[str, Any]:
           f"{n_params / 1e6:.2f}M params ({args.dtype}), polar iteration in {compute.name}; "
           f"{common.machine_line()}", flush=True)
     contenders = build(s)
+    if args.against:
+        folder = tempfile.mkdtemp(prefix="step_time_")
+        name = f"muon_optax@{args.against}"
+        contenders[name] = muon_optax_contender(
+            s, "auto", common.import_commit(args.against, folder))
+        RATIOS.append(("muon_optax", name))
     checks = first_step_check(contenders, params)
     for _ in range(args.warmup):
         for c in contenders.values():

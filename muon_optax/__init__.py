@@ -15,7 +15,6 @@ from muon_optax.engine import MuonAdamWState, MuonBuffers
 from muon_optax.estimate import estimate
 from muon_optax.hparams import current_hyperparams
 from muon_optax.labels import label_by_path, path_str
-from muon_optax.muon import MuonStackState
 from muon_optax.optimizer import adamw, muon, muon_adamw
 from muon_optax.polar import POLAR_EXPRESS_COEFFS, orthogonalize
 from muon_optax.portable import export_state, import_state
@@ -29,7 +28,6 @@ __all__ = [
     "MuonAdamWState",
     "MuonBuffers",
     "MuonDimensionNumbers",
-    "MuonStackState",
     "adamw",
     "current_hyperparams",
     "describe",

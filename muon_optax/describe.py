@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 import optax
 
+from muon_optax.engine import init_of
 from muon_optax.hparams import MuonConfig
 
 
@@ -26,10 +27,7 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
 
         muon_optax.describe(tx, params)
     """
-    init = getattr(tx, "init", None)
-    if not hasattr(init, "plan"):
-        raise TypeError("describe needs the transformation returned by muon_optax.muon_adamw "
-                        "(or muon/adamw/contrib_muon) itself, not a chain or a wrapper.")
+    init = init_of(tx, "describe")
     plan = init.plan(params, num_devices)
     leaves = plan.treedef.flatten_up_to(params)
     rows: list[dict[str, Any]] = [dict(path=p, shape=tuple(x.shape)) for p, x in

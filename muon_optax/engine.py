@@ -8,10 +8,11 @@ The data flow of one step (everything but the arithmetic is decided at trace tim
          their owners (ZeRO-2); with max_grad_norm / skip_nonfinite, the mean gradient's
          global norm and finiteness from those shares (:mod:`muon_optax.guard`)
       -> AdamW leaves: one fused elementwise update each (float32 math), where they lie
-      -> Muon matrices: read from their owners' shares (:mod:`muon_optax.transport`),
-         stacked by stored shape; each stack's owned slots run one batched Muon program
-         (:func:`muon_optax.muon.muon_direction`), state read and written in place in
-         this device's flat state buffer; directions moved back
+      -> Muon matrices, stacked by stored shape, each stack through the rule's one
+         kernel (:func:`muon_optax.muon.muon_step`), its state updated in place in flat
+         buffers. One device: stack -> kernel -> unstack (:mod:`muon_optax.single`).
+         Sharded: the same kernel on the slots a device owns, the matrices read from
+         and written back to their owners (:mod:`muon_optax.stacks`, ``transport``)
       -> cautious update per leaf, in the leaf's own layout
       -> updates (P_new - P), new state
 
@@ -35,6 +36,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from muon_optax import single, stacks
 from muon_optax.adamw import adamw_hparams, adamw_leaf_update
 from muon_optax.guard import GradStats, from_sums, global_stats, scaled, select, sums
 from muon_optax.hparams import AdamWConfig, MuonConfig
@@ -51,7 +53,7 @@ from muon_optax.sharding import (
     to_partition_spec,
     varying_axes,
 )
-from muon_optax.stacks import MuonBuffers, muon_phase
+from muon_optax.single import MuonBuffers
 from muon_optax.transport import Transports
 from muon_optax.variables import unbox, unboxed_structure
 from muon_optax.wrapped import recorder
@@ -123,7 +125,7 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
         specs = placed_specs(leaves, paths, opts.mesh, opts.learned, opts.name)
     for s, x, p in zip(specs, leaves, paths):
         _check_mesh(x, opts, p)
-        check_spec(s, x.shape, dict(opts.mesh.shape), p, opts.axes)
+        check_spec(s, x.shape, dict(opts.mesh.shape), p)
     return specs
 
 
@@ -157,7 +159,7 @@ def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
     return a.padded[:a.axis] + (a.padded[a.axis] // n,) + a.padded[a.axis + 1:]
 
 
-def _check_state(plan: TreePlan, state: Any, want: Any, name: str,
+def check_state(plan: TreePlan, state: Any, want: Any, name: str,
                  dtypes: Sequence[Any] = ()) -> None:
     """A state made for these params (``dtypes``: theirs) and this layout, or a clear
     error."""
@@ -196,11 +198,9 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
     out = {}
     for a in plan.adamw:
         g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
-        if a.local:
-            pass
-        elif a.axis is None:
+        if not a.local and a.axis is None:
             g = comm.mean(g)
-        else:
+        elif not a.local:
             g = comm.mean_scatter(pad_to(g, a.padded), a.axis)
             p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
         out[a.index] = (g, p)
@@ -221,9 +221,6 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u
     return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
-
-
-# ------------------------------------------------------------------ Muon
 
 
 # ------------------------------------------------------------------ state layout
@@ -269,6 +266,16 @@ def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],
 
 
 # ------------------------------------------------------------------ the step
+
+
+def check_update_args(opts: Options, grads, params) -> None:
+    """What ``tx.update`` is given, checked once, before any tracing of the step: the
+    params when the rule reads them, and grads of the params' structure."""
+    if params is None and _needs_params(opts):
+        raise ValueError(f"{opts.name}: update needs the params (Muon's cautious weight "
+                         "decay and AdamW's weight decay read them): call "
+                         "tx.update(grads, state, params).")
+    _check_structure(grads, params, opts.name)
 
 
 def _check_structure(grads, params, name: str) -> None:
@@ -329,7 +336,7 @@ def _check_whole_params(plan: TreePlan, comm: Collectives, p_leaves, name: str) 
                 f"marked varying by jax.lax.pcast, pass tx.update the params before the pcast.")
 
 
-def _local_init(plan: TreePlan, opts: Options, params: Any) -> MuonAdamWState:
+def local_init(plan: TreePlan, opts: Options, params: Any) -> MuonAdamWState:
     leaves = plan.treedef.flatten_up_to(params)
     want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
                         per_device=True, skipped=opts.skip_nonfinite)
@@ -349,13 +356,12 @@ def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
     return from_sums(total, opts.max_grad_norm, opts.skip_nonfinite)
 
 
-def _local_update(plan: TreePlan, opts: Options, grads, state, params,
+def local_update(plan: TreePlan, opts: Options, grads, state, params,
                   stats: GradStats | None = None):
     """One step on this device. ``stats``: the gradient's clipping and finiteness when
     computed by the caller (the ``mesh=`` form, on the global arrays); else computed
     here from the mean gradient (one device, ZeRO-2) if the options ask for them."""
     comm = Collectives(opts.axes, grads_reduced=opts.mesh is not None, where=opts.name)
-    _check_structure(grads, params, opts.name)
     g_leaves = plan.treedef.flatten_up_to(grads)
     p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
     _check_shapes(plan, g_leaves, p_leaves, opts.name)
@@ -363,24 +369,28 @@ def _local_update(plan: TreePlan, opts: Options, grads, state, params,
     _check_whole_params(plan, comm, p_leaves, opts.name)
     ref = p_leaves or g_leaves
     dtypes = [x.dtype for x in ref]
-    _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref], dtypes,
+    check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref], dtypes,
                                            per_device=True, skipped=opts.skip_nonfinite),
                  opts.name, dtypes)
     count = state.count
     hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
     adamw_grads = _adamw_grads(plan, comm, g_leaves, p_leaves)
-    moves = Transports(plan.owner, g_leaves, comm)
+    moves = Transports(plan.owner, g_leaves, comm) if comm.active else None
     if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
-        stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if comm.active
+        stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if moves
                  else global_stats(g_leaves, opts.max_grad_norm, opts.skip_nonfinite))
     stats = stats or GradStats(None, None)
     adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
-    moves.scale = stats.scale
     updates = [None] * len(g_leaves)
     mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, adamw_grads, state, updates)
-    muon = muon_phase(plan, opts.configs, comm, hps, count, moves, g_leaves, p_leaves, state,
-                      updates)
+    if moves is None:   # one device: stack -> kernel -> unstack
+        muon = single.muon_phase(plan, opts.configs, hps, count, g_leaves, p_leaves,
+                                 state.muon, stats.scale, updates)
+    else:               # owners: the same kernel, the matrices moved to and from them
+        moves.scale = stats.scale
+        muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, g_leaves,
+                                 p_leaves, state, updates)
     new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped)
     updates, new_state = select(stats.finite, updates, new_state, state)
     return plan.treedef.unflatten(updates), new_state
@@ -429,6 +439,17 @@ class Init:
                 for sp in plan.owner.stacks]
 
 
+def init_of(tx: Any, where: str, hint: str = "") -> Init:
+    """The :class:`Init` of a transformation this library built (its options, plan and
+    state layout), or an error saying what ``where`` needs instead (``hint``: how)."""
+    init = getattr(tx, "init", None)
+    if not isinstance(init, Init):
+        raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
+                        "(or muon, adamw, contrib_muon) itself, not a chain or a wrapper "
+                        f"around it{hint}.")
+    return init
+
+
 def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str, int], ...]:
     """The owner axes with their sizes, outside any mesh context."""
     if opts.axes is None:
@@ -465,16 +486,12 @@ def local_fns(opts: Options):
         if opts.axes is not None:
             _check_whole_params(plan, Collectives(opts.axes, where=opts.name),
                                 plan.treedef.flatten_up_to(params), opts.name)
-        return _local_init(plan, opts, params)
+        return local_init(plan, opts, params)
 
     def update_fn(grads, state, params=None):
-        if params is None and _needs_params(opts):
-            raise ValueError(f"{opts.name}: update needs the params (Muon's cautious weight "
-                             "decay and AdamW's weight decay read them): call "
-                             "tx.update(grads, state, params).")
-        _check_structure(grads, params, opts.name)
+        check_update_args(opts, grads, params)
         plan = tree_plan(opts, params if params is not None else grads, axes_here())
-        return _local_update(plan, opts, grads, state, params)
+        return local_update(plan, opts, grads, state, params)
 
     return init_fn, update_fn
 

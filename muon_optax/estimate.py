@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 
+from muon_optax.engine import init_of
 from muon_optax.labels import path_str
 from muon_optax.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
 from muon_optax.sharding import check_spec, normalize_spec
@@ -27,10 +28,7 @@ ADAMW_FLOPS_PER_ELEMENT = 20
 
 
 def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[TreePlan, Any]:
-    opts = getattr(getattr(tx, "init", None), "options", None)
-    if opts is None:
-        raise TypeError("estimate needs the transformation returned by muon_optax.muon_adamw "
-                        "(or muon/adamw) itself, not a chain or a wrapper around it.")
+    opts = init_of(tx, "estimate").options
     if opts.axes is None:
         raise ValueError("estimate: this transformation was built without axis_name, so it "
                          "runs on one device; build it with axis_name='data' (and mesh= for "
@@ -51,7 +49,7 @@ def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[Tre
         specs = []
         for (path, x), s in zip(flat, given):
             spec = normalize_spec(s, len(x.shape), path_str(path))
-            check_spec(spec, x.shape, dict(axes), path_str(path), opts.axes)
+            check_spec(spec, x.shape, dict(axes), path_str(path))
             specs.append(spec)
     return make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
                           axes, specs, opts.threshold, "estimate"), opts

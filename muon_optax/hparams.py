@@ -77,15 +77,9 @@ def _check_compute_dtype(compute_dtype: Any, where: str) -> Any:
             "With optax.inject_hyperparams, a dtype such as jnp.bfloat16 is callable and "
             "taken for a schedule: pass static_args=(\"ns_steps\", \"compute_dtype\") "
             "or the dtype's name (\"bfloat16\").")
-    try:
-        compute_dtype = jnp.dtype(compute_dtype)
-    except TypeError as e:
-        raise TypeError(f"{where}: compute_dtype {compute_dtype!r} is not a dtype; "
-                        "use jnp.float32 or jnp.bfloat16 (or None for the "
-                        "backend's default).") from e
-    if not jnp.issubdtype(compute_dtype, jnp.floating):
-        raise TypeError(f"{where}: compute_dtype must be a float dtype, got {compute_dtype}.")
-    return compute_dtype
+    return _check_dtype(compute_dtype, "compute_dtype", where, "the backend's default")
+
+
 def _check_flag(flag: Any, name: str, where: str) -> bool:
     if not isinstance(flag, bool):
         raise TypeError(f"{where}: {name} must be True or False, got {flag!r}.")

@@ -19,11 +19,10 @@ from jax.sharding import PartitionSpec as P
 from muon_optax.engine import (
     Options,
     TreePlan,
-    _check_state,
-    _check_structure,
-    _local_init,
-    _local_update,
-    _needs_params,
+    check_state,
+    check_update_args,
+    local_init,
+    local_update,
     state_partition_specs,
     state_shapes,
     tree_plan,
@@ -69,22 +68,18 @@ def wrap_in_shard_map(opts: Options):
     def init(params):
         _outside_shard_map(name)
         plan = tree_plan(opts, params, axes)
-        fn = functools.partial(_local_init, plan, opts)
+        fn = functools.partial(local_init, plan, opts)
         return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
                              out_specs=state_partition_specs(plan, opts.axes, skip))(
             placed(params, plan))
 
     def update(grads, state, params=None):
         _outside_shard_map(name)
-        if params is None and _needs_params(opts):
-            raise ValueError(f"{name}: update needs the params (Muon's cautious weight decay "
-                             "and AdamW's weight decay read them): call "
-                             "tx.update(grads, state, params).")
-        _check_structure(grads, params, name)
+        check_update_args(opts, grads, params)
         ref = params if params is not None else grads
         plan = tree_plan(opts, ref, axes)
         leaves = plan.treedef.flatten_up_to(ref)
-        _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
+        check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
                                                [x.dtype for x in leaves], per_device=False,
                                                skipped=skip), name)
         specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes, skip)
@@ -100,7 +95,7 @@ def wrap_in_shard_map(opts: Options):
         extras = jax.tree.map(moved, extras, extra_specs)
 
         def fn(g, s, p, ex):
-            return _local_update(plan, _with_arrays(opts, ex[1]), g, s, p, ex[0])
+            return local_update(plan, _with_arrays(opts, ex[1]), g, s, p, ex[0])
 
         if params is None:
             return jax.shard_map(lambda g, s, ex: fn(g, s, None, ex), mesh=mesh,

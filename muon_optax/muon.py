@@ -28,7 +28,7 @@ choices are optax.contrib.muon's (see :func:`muon_optax.contrib_muon`):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from muon_optax.adamw import update_in_param_dtype
 from muon_optax.hparams import MuonConfig
+from muon_optax.order import after
 from muon_optax.polar import (
     default_compute_dtype,
     overflow_scale,
@@ -60,19 +61,6 @@ def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
     stored rows when it is stored transposed. Square stacks never mix layouts.
     """
     return -2 if rows < cols or transposed is True else -1
-
-
-def init_stack_state(k: int, rows: int, cols: int, dtype: Any,
-                     reduces_rows: bool, cfg: MuonConfig | None = None) -> MuonStackState:
-    """Zero state of a stack. The momentum is in ``cfg.mu_dtype`` if set; the NorMuon
-    buffer, in the parameter dtype, is ``(k, 1, 1)`` when ``cfg.normuon`` is off (unused,
-    but it keeps the parameter dtype for :func:`muon_direction`)."""
-    second = (k, 1, cols) if reduces_rows else (k, rows, 1)
-    mu_dtype = dtype
-    if cfg is not None:
-        mu_dtype = dtype if cfg.mu_dtype is None else cfg.mu_dtype
-        second = second if cfg.normuon else (k, 1, 1)
-    return MuonStackState(jnp.zeros((k, rows, cols), mu_dtype), jnp.zeros(second, dtype))
 
 
 def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
@@ -151,17 +139,6 @@ def momentum_input(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
     return buf / (1 - momentum**t)
 
 
-def momentum_step(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
-                  nesterov: bool = True, count: jax.Array | None = None,
-                  optax_ema: bool = False,
-                  complement: float | None = None) -> tuple[jax.Array, jax.Array]:
-    """Step 1 as optax runs it: ``(U, new buffer)``, both float32, ``U`` from the new
-    buffer before it is stored (see :func:`momentum_buffer`, :func:`momentum_input`)."""
-    new = momentum_buffer(g, buf, momentum, optax_ema=optax_ema, complement=complement)
-    return momentum_input(g, new, momentum, nesterov=nesterov, count=count,
-                          complement=complement), new
-
-
 def reads_back(cfg: MuonConfig, buf_dtype: Any) -> bool:
     """Whether ``U`` is formed from the stored (rounded) buffer, as nanochat reads it back
     after its in-place update, or from the float32 one, as optax does. The same when the
@@ -170,22 +147,11 @@ def reads_back(cfg: MuonConfig, buf_dtype: Any) -> bool:
 
 
 def dual_norm(u: jax.Array, o: jax.Array) -> jax.Array:
-    """``<U, O>`` per matrix, ``(K, 1, 1)``: ``adaptive``'s step length (summed over a
-    whole leaf's matrices by :func:`dual_norm_scale` or by the engine)."""
+    """``<U, O>`` per matrix, ``(K, 1, 1)``: ``adaptive``'s step length ``O <U, O>``, the
+    steepest-descent step under the spectral norm. ``<U, O>`` estimates the nuclear norm
+    of ``U`` (exact when ``O`` is its polar factor; arXiv:2409.20325); it is summed over a
+    whole parameter leaf (several matrices when the leaf has batch axes) by the engine."""
     return jnp.sum(u * o, axis=(-2, -1), keepdims=True)
-
-
-def dual_norm_scale(u: jax.Array, o: jax.Array,
-                    leaf_sum: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
-    """``adaptive``: ``O <U, O>``, the steepest-descent step length under the spectral norm.
-
-    ``<U, O> = sum(U * O)`` estimates the nuclear norm of ``U`` (exact when ``O`` is its
-    polar factor; arXiv:2409.20325). It is summed over a whole parameter leaf (several
-    matrices when it has batch axes): ``leaf_sum`` maps the per-matrix ``(K, 1, 1)`` sums
-    to each matrix's leaf total (None: every matrix is its own leaf).
-    """
-    d = dual_norm(u, o)
-    return o * (d if leaf_sum is None else leaf_sum(d))
 
 
 def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
@@ -222,7 +188,7 @@ def normalized_direction(
 ) -> tuple[jax.Array, jax.Array]:
     """Steps 2-7 on a stored stack ``U`` (float32): the direction ``O`` in ``dtype`` (the
     parameter dtype) and the new NorMuon second moment (``adaptive``'s scaling is not
-    applied here: it needs the whole leaf, see :func:`dual_norm_scale`).
+    applied here: it needs the whole leaf, see :func:`dual_norm`).
 
     Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
     column, so each side of the polar iteration is one pass of statistics and one
@@ -258,44 +224,39 @@ def normalized_direction(
     return o.astype(dtype), s
 
 
-def muon_direction(
-    g: jax.Array,
-    state: MuonStackState,
-    *,
-    momentum: jax.Array,
-    beta2: jax.Array,
-    transposed: bool | jax.Array,
-    cfg: MuonConfig,
-    count: jax.Array | None = None,
-    leaf_sum: Callable[[jax.Array], jax.Array] | None = None,
-) -> tuple[jax.Array, MuonStackState]:
-    """Steps 1-7 of Muon on a stored stack: the direction ``O`` and the new state.
+def muon_step(g: jax.Array, state: MuonStackState, hp: Mapping[str, Any], cfg: MuonConfig,
+              count: jax.Array, dtype: Any
+              ) -> tuple[jax.Array, MuonStackState, jax.Array | None]:
+    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)``: the direction ``O``
+    (``dtype``, the parameter dtype), the new state and, with ``cfg.adaptive``, the
+    per-matrix ``<U, O>`` (summed over each leaf by the caller, which scales ``O``).
 
-    ``g`` is ``(K, R, C)`` with ``R <= C``. ``O`` and the NorMuon buffer keep the
-    parameter dtype (the NorMuon buffer's), the momentum its own (``cfg.mu_dtype``).
-    ``momentum`` and ``beta2`` are scalars or per-matrix ``(K, 1, 1)`` arrays.
-    ``transposed`` says whether a matrix's own rows are the stored columns (a bool for
-    the whole stack, or a ``(K,)`` array). ``count`` (steps before this one) is needed
-    with ``cfg.bias_correction``; ``leaf_sum`` with ``cfg.adaptive`` for leaves of
-    several matrices (see :func:`dual_norm_scale`). Zero padding stays exactly zero.
-    (The engine runs the same steps in two halves, to store the momentum early.)
+    The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
+    ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
+    a bool, or ``(K,)``). ``count``: steps before this one (``bias_correction``).
+    ``state.momentum`` may come in any layout of ``g``'s size (the engine hands its flat
+    state buffer on one device, so that XLA updates it in place); the new momentum comes
+    back in that layout, computed only once ``U`` is, so that it can overwrite the old
+    buffer. Zero padding stays exactly zero.
     """
-    if cfg.bias_correction and count is None:
-        raise ValueError("muon_direction: bias_correction needs count= (the step count).")
-    g32 = g.astype(jnp.float32)
-    comp = cfg.momentum_complement()
-    buf32 = momentum_buffer(g32, state.momentum, momentum, optax_ema=cfg.optax_ema,
-                            complement=comp)
-    new_buf = buf32.astype(state.momentum.dtype)
-    u = momentum_input(g32, new_buf if reads_back(cfg, new_buf.dtype) else buf32, momentum,
-                       nesterov=cfg.nesterov, count=count if cfg.bias_correction else None,
-                       complement=comp)
-    dtype = state.second_moment.dtype
-    o, s = normalized_direction(u, state.second_moment, beta2=beta2, transposed=transposed,
-                                cfg=cfg, dtype=dtype)
-    if cfg.adaptive:
-        o = dual_norm_scale(u, o.astype(jnp.float32), leaf_sum).astype(dtype)
-    return o, MuonStackState(new_buf, s)
+    g32, mu = g.astype(jnp.float32), hp["momentum"]
+    layout = state.momentum.shape
+
+    def in_layout(x):
+        return x if jnp.ndim(x) == 0 or layout == g.shape else (
+            jnp.broadcast_to(x, g.shape).reshape(layout))
+
+    complement = cfg.momentum_complement()
+    buf32 = momentum_buffer(in_layout(g32), state.momentum, in_layout(mu),
+                            optax_ema=cfg.optax_ema, complement=complement)
+    stored = buf32.astype(state.momentum.dtype)
+    read = stored if reads_back(cfg, stored.dtype) else buf32
+    u = momentum_input(g32, read.reshape(g.shape), mu, nesterov=cfg.nesterov,
+                       count=count if cfg.bias_correction else None, complement=complement)
+    o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
+                                transposed=hp["transposed"], cfg=cfg, dtype=dtype)
+    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else None
+    return o, MuonStackState(after(stored, u), s), d
 
 
 def matrix_lr_scale(rows: int, cols: int, cfg: MuonConfig | None = None) -> float:

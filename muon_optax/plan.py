@@ -280,9 +280,13 @@ def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: i
 
 def slots_from_owners(owners: np.ndarray, num_devices: int) -> np.ndarray:
     """``(N, S)`` table of each device's owned matrices in stack order, ``-1`` padded."""
-    per_device = [np.flatnonzero(owners == d) for d in range(num_devices)]
+    return _slot_table([np.flatnonzero(owners == d) for d in range(num_devices)])
+
+
+def _slot_table(per_device: Sequence[Sequence[int]]) -> np.ndarray:
+    """Rows of stack indices, one per device, ``-1`` padded to the longest."""
     width = max((len(p) for p in per_device), default=0)
-    slots = np.full((num_devices, width), -1, np.int64)
+    slots = np.full((len(per_device), width), -1, np.int64)
     for d, p in enumerate(per_device):
         slots[d, :len(p)] = p
     return slots
@@ -453,12 +457,7 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
 def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.ndarray:
     """A local stack's slots: each device's own matrices, as stack indices."""
     start = np.cumsum([0] + [m.batch for m in stack.members])
-    rows = [[int(start[i] + b) for i, b in held[d]] for d in range(n)]
-    width = max(len(r) for r in rows)
-    slots = np.full((n, width), -1, np.int64)
-    for d, r in enumerate(rows):
-        slots[d, :len(r)] = r
-    return slots
+    return _slot_table([[int(start[i] + b) for i, b in held[d]] for d in range(n)])
 
 
 def _state_channels(stacks: tuple[StackPlan, ...], size_of) -> dict[Any, Channel]:

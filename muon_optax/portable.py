@@ -32,27 +32,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muon_optax.engine import (
+    Init,
     MuonAdamWState,
     MuonBuffers,
-    _check_state,
+    check_state,
+    init_of,
     state_partition_specs,
     state_shapes,
 )
 from muon_optax.layout import MatrixLeaf
 from muon_optax.plan import StackPlan, TreePlan
-from muon_optax.sharding import to_partition_spec, typed_spec
+from muon_optax.sharding import pad_to, to_partition_spec, typed_spec
 from muon_optax.transport import member_rows
 from muon_optax.wrapped import locate
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
-    init = getattr(tx, "init", None)
-    if not hasattr(init, "plan"):
-        raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
-                        "(or muon/adamw) itself, not a chain or a wrapper around it: import "
-                        "the state of the one you wrapped and put it in the wrapper's state "
-                        "(e.g. (optax.EmptyState(), state) for optax.chain(optax.clip(1.0), "
-                        "tx)).")
+    init = init_of(tx, where, ": import the state of the one you wrapped and put it in the "
+                   "wrapper's state (e.g. (optax.EmptyState(), state) for "
+                   "optax.chain(optax.clip(1.0), tx))")
     opts = init.options
     if opts.axes is None:
         num_devices = None
@@ -67,7 +65,7 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan
 def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
     """``(tx, state, params)`` of the one muon_optax transformation inside a chain or
     wrapper (see :mod:`muon_optax.wrapped`); ``tx`` itself if it is one."""
-    if hasattr(getattr(tx, "init", None), "plan"):
+    if isinstance(getattr(tx, "init", None), Init):
         return tx, state, params
 
     def shapes_of(init, seen):   # the structure only: any device count will do
@@ -225,7 +223,7 @@ def _skips(tx: Any) -> bool:
 
 def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -> None:
     leaves = plan.treedef.flatten_up_to(params)
-    _check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
+    check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
                                            [x.dtype for x in leaves], per_device=False,
                                            skipped=skipped), where)
 
@@ -297,8 +295,8 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
     want_nu = plan.treedef.flatten_up_to(want.nu)
     for a in plan.adamw:
         pad = want_mu[a.index].shape
-        mu[a.index] = _pad(jnp.asarray(given_mu[a.index], want_mu[a.index].dtype), pad)
-        nu[a.index] = _pad(jnp.asarray(given_nu[a.index], want_nu[a.index].dtype), pad)
+        mu[a.index] = pad_to(jnp.asarray(given_mu[a.index], want_mu[a.index].dtype), pad)
+        nu[a.index] = pad_to(jnp.asarray(given_nu[a.index], want_nu[a.index].dtype), pad)
     momentum = dict(enumerate(plan.treedef.flatten_up_to(portable["momentum"])))
     second = dict(enumerate(plan.treedef.flatten_up_to(portable["second_moment"])))
     muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum"),
@@ -307,12 +305,6 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
     skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
                           plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips)
-
-
-def _pad(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    if tuple(x.shape) == tuple(shape):
-        return x
-    return jnp.pad(x, [(0, t - s) for s, t in zip(x.shape, shape)])
 
 
 def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:

@@ -284,8 +284,8 @@ def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding
         "layout, or build the mesh with AxisType.Explicit axes.")
 
 
-def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int], path: str,
-               axes: tuple[str, ...]) -> None:
+def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int],
+               path: str) -> None:
     """A layout the mesh can hold: known axes, used once, dividing the axis lengths."""
     used = [a for entry in spec for a in entry]
     unknown = [a for a in used if a not in mesh_shape]
@@ -300,7 +300,6 @@ def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int], pat
         if n % g:
             raise ValueError(f"parameter {path!r}: an axis of length {n} is split over {entry} "
                              f"({g} devices), which does not divide it.")
-    del axes
 
 
 def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -2,67 +2,29 @@
 
 For each stack (in plan order) a device reads its owned matrices' gradients from the
 transports (:mod:`muon_optax.transport`), its momentum and NorMuon state from its flat
-state buffers, runs the rule (:mod:`muon_optax.muon`), writes the state back in place and
-hands the directions to the transports. The slots every device owns run as one batched
-program; the rest one by one under ``lax.cond``, skipped where a device owns fewer.
+state buffers, runs the rule's one kernel (:func:`muon_optax.muon.muon_step`), writes
+the state back in place and hands the directions to the transports. The slots every
+device owns run as one batched program; the rest one by one under ``lax.cond``, skipped
+where a device owns fewer.
 Stacks run one after another (each reads the state the previous one wrote), so only one
 stack's temporaries are alive at a time.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.hparams import MuonConfig
-from muon_optax.muon import (
-    MuonStackState,
-    dual_norm,
-    leaf_update,
-    momentum_buffer,
-    momentum_input,
-    normalized_direction,
-    reads_back,
-)
+from muon_optax.muon import MuonStackState, muon_step
+from muon_optax.order import after
 from muon_optax.plan import StackPlan, TreePlan
-from muon_optax.polar import after
 from muon_optax.sharding import Collectives, varying_axes
+from muon_optax.single import MuonBuffers, finish_leaves, matrix_hparams
 from muon_optax.transport import Transports
-
-
-class MuonBuffers(NamedTuple):
-    """The Muon state of the stacks of one state key (dtypes; on one device, a stack), as
-    ``(N, L)`` arrays split over the owner axes: row ``d`` is device ``d``'s share, the
-    momenta (resp. NorMuon second moments) of the matrices it owns, back to back, stack
-    by stack."""
-
-    momentum: jax.Array
-    second_moment: jax.Array
-
-
-def _slot_hparams(sp: StackPlan, hps, comm: Collectives, j0: int, n: int) -> dict:
-    """Momentum, beta2 and orientation of slots ``j0 .. j0+n``: scalars when uniform."""
-    members = sp.stack.members
-    member_of = np.repeat(np.arange(len(members)), [m.batch for m in members])
-    slots = np.maximum(sp.slots[:, j0:j0 + n], 0)        # unowned slots: as matrix 0
-    groups = sorted({m.group for m in members})
-    out = {}
-    for key in ("momentum", "beta2"):
-        if len(groups) == 1:
-            out[key] = hps[groups[0]][key]
-        else:  # a stack shared by groups: each slot's group value
-            index = np.vectorize(lambda i: groups.index(members[member_of[i]].group))(slots)
-            table = jnp.stack([hps[g][key] for g in groups])
-            out[key] = table[jnp.asarray(comm.pick(index))][:, None, None]
-    flags = np.vectorize(lambda i: members[member_of[i]].transposed)(slots)
-    if (flags == flags.flat[0]).all():
-        out["transposed"] = bool(flags.flat[0])
-    else:
-        out["transposed"] = jnp.asarray(comm.pick(flags))
-    return out
 
 
 def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
@@ -98,24 +60,11 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=1)
 
 
-def _momentum_args(cfg: MuonConfig, count: jax.Array) -> dict[str, Any]:
-    return dict(nesterov=cfg.nesterov, count=count if cfg.bias_correction else None,
-                complement=cfg.momentum_complement())
-
-
-def _slot_direction(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
-    """One run of slots, as :func:`muon_optax.muon.muon_direction`, plus the per-matrix
-    ``<U, O>`` that ``adaptive`` sums per leaf (zeros without it)."""
-    g32, comp = g.astype(jnp.float32), cfg.momentum_complement()
-    buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
-                            complement=comp)
-    stored = buf32.astype(state.momentum.dtype)
-    u = momentum_input(g32, stored if reads_back(cfg, stored.dtype) else buf32,
-                       hp["momentum"], **_momentum_args(cfg, count))
-    o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
-                                transposed=hp["transposed"], cfg=cfg, dtype=dtype)
-    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else jnp.zeros((g.shape[0], 1, 1))
-    return o, MuonStackState(stored, s), d
+def _owned_slot(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
+    """:func:`muon_optax.muon.muon_step` on one slot a device may not own (the branch of
+    a ``lax.cond``): ``<U, O>`` zeros without ``adaptive``, as :func:`_skipped` gives."""
+    o, state, d = muon_step(g, state, hp, cfg, count, dtype)
+    return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
 
 def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
@@ -130,49 +79,21 @@ def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
     return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
 
 
-def _is_whole(buf: jax.Array, start, size: int) -> bool:
-    """Whether a run of ``size`` elements at ``start`` is all of the state buffer."""
-    return isinstance(start, int) and start == 0 and buf.shape[1] == size
-
-
 def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev):
     """The ``base`` slots every device owns, as one batched program. The new momentum
-    goes into its buffer before the polar iteration starts; when ``U`` reads it back (as
-    nanochat does) it is computed straight into the buffer, with no temporary."""
-    cfg, n = sp.stack.config, sp.base
-    g, at = moves.load(k, 0, n, prev), _state_at(k, sp, plan, comm, 0)
-    state = _read_state(bufs, at, n, sp)
-    g32 = g.astype(jnp.float32)
-    args = _momentum_args(cfg, count)
-    if _is_whole(bufs.momentum, at[0], g.size):
-        # The stack's momentum is a buffer of its own (one device). Computed in the
-        # buffer's flat layout and written once U is, it is updated in place; in the
-        # stack's layout XLA computes it twice (for U and for the buffer) and copies the
-        # old buffer first.
-        mu = hp["momentum"]
-        flat_mu = mu if jnp.ndim(mu) == 0 else jnp.broadcast_to(mu, g.shape).reshape(1, -1)
-        buf32 = momentum_buffer(g32.reshape(1, -1), bufs.momentum, flat_mu,
-                                optax_ema=cfg.optax_ema, complement=cfg.momentum_complement())
-        stored = buf32.astype(bufs.momentum.dtype)
-        read = stored if reads_back(cfg, stored.dtype) else buf32
-        u = momentum_input(g32, read.reshape(g.shape), mu, **args)
-        bufs = bufs._replace(momentum=after(stored, u))
-    else:
-        buf32 = momentum_buffer(g32, state.momentum, hp["momentum"], optax_ema=cfg.optax_ema,
-                                complement=cfg.momentum_complement())
-        stored = buf32.astype(state.momentum.dtype)
-        if reads_back(cfg, stored.dtype):
-            bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored))
-            u = momentum_input(g32, _read_state(bufs, at, n, sp).momentum, hp["momentum"],
-                               **args)
-        else:
-            u = momentum_input(g32, buf32, hp["momentum"], **args)
-            bufs = bufs._replace(momentum=_write(bufs.momentum, at[0], stored, u))
-    o, second = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
-                                     transposed=hp["transposed"], cfg=cfg, dtype=sp.stack.dtype)
-    bufs = bufs._replace(second_moment=_write(bufs.second_moment, at[1], second, o))
+    goes into its buffer as soon as ``U`` is formed, before the polar iteration starts."""
+    n, at = sp.base, _state_at(k, sp, plan, comm, 0)
+    g, state = moves.load(k, 0, n, prev), _read_state(bufs, at, n, sp)
+    whole = isinstance(at[0], int) and at[0] == 0 and bufs.momentum.shape[1] == g.size
+    if whole:
+        # The stack's momentum is a buffer of its own (one device): the kernel updates it
+        # in the buffer's flat layout, in place. In the stack's layout XLA would compute
+        # it twice (for U and for the buffer) and copy the old buffer first.
+        state = state._replace(momentum=bufs.momentum)
+    o, state, d = muon_step(g, state, hp, sp.stack.config, count, sp.stack.dtype)
+    bufs = MuonBuffers(state.momentum if whole else _write(bufs.momentum, at[0], state.momentum),
+                       _write(bufs.second_moment, at[1], state.second_moment, o))
     moves.store(k, 0, o)
-    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else None
     return bufs, o, d
 
 
@@ -183,7 +104,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: 
     last direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     if sp.base:
-        hp = _slot_hparams(sp, hps, comm, 0, sp.base)
+        hp = matrix_hparams(sp.stack, hps, sp.slots[:, :sp.base], comm.pick)
         bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev)
         duals.append(d)
     counts = comm.pick(sp.counts)
@@ -191,9 +112,9 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: 
         owned = counts > j
         at = _state_at(k, sp, plan, comm, j)
         g, state = moves.load(k, j, 1, prev), _read_state(bufs, at, 1, sp)
-        hp = _slot_hparams(sp, hps, comm, j, 1)
+        hp = matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
         o, state, d = jax.lax.cond(
-            owned, lambda g, s: _slot_direction(g, s, hp, cfg, count, dtype),
+            owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype),
             lambda g, s: _skipped(g, s, dtype, cfg.adaptive), g, state)
         # Unchanged where not owned.
         bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
@@ -213,7 +134,7 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
     for k in sorted(duals):
         offsets[k], start = start, start + plan.owner.stacks[k].num_slots
     mine = jnp.concatenate([duals[k] for k in sorted(duals)])
-    everyone = comm.gather(mine, 0) if comm.active else mine
+    everyone = comm.gather(mine, 0)
     out = {}
     for k in duals:
         sp = plan.owner.stacks[k]
@@ -242,11 +163,5 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
     local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
     directions = moves.finish(local_shapes)
     scales = _leaf_duals(plan, comm, duals)
-    for m in plan.muon:
-        hp, cfg = hps[m.group], configs[m.group]
-        o = directions[m.index]
-        if m.index in scales:
-            o = o.astype(jnp.float32) * scales[m.index]
-        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
-                                       rows=m.rows, cols=m.cols, cfg=cfg)
+    finish_leaves(plan, configs, hps, directions, scales, p_leaves, updates)
     return tuple(bufs.values())

@@ -2,7 +2,8 @@
 
 Each stack reads its owned matrices through a *source* and writes their directions into
 a *sink*; the sinks' buffers travel back in one collective per channel after every stack
-has run. One source and one sink per transport:
+has run. One source and one sink per transport (the :class:`Source` and :class:`Sink`
+protocols):
 
 - gather:   flat device-major buffer -> reduce-scatter (or this device's own slice of
             already reduced gradients) ... directions -> flat share -> all-gather;
@@ -17,7 +18,7 @@ small tables indexed by ``axis_index``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +26,31 @@ import numpy as np
 
 from muon_optax.guard import scaled
 from muon_optax.layout import MatrixLeaf, Stack
+from muon_optax.order import after
 from muon_optax.plan import EXCHANGE, GATHER, LOCAL, Channel, OwnerPlan, StackPlan
-from muon_optax.polar import after
 from muon_optax.sharding import Collectives
+
+
+class Source(Protocol):
+    """Where a device reads the gradients of the matrices it owns."""
+
+    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+        """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``. ``prev``:
+        the previous stack's direction; a source that copies (stacks) the leaves waits
+        for it, so that one stack's copy is alive at a time."""
+
+
+class Sink(Protocol):
+    """Where a device writes the directions of the matrices it owns, and from which
+    every device gets the directions of its leaves back."""
+
+    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
+        """Slots ``j0 .. j0+n`` of stack ``k``; ``owned`` (a traced bool) when this
+        device may not own them (then nothing is written)."""
+
+    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        """Every direction this sink carries, by leaf index, in the local layout
+        (``local_shapes``: this device's block of each leaf)."""
 
 
 def _take(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
@@ -108,10 +131,10 @@ def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
 class GatherSource:
     """Owned matrices of the ``"gather"`` stacks of one dtype.
 
-    With N devices and per-device gradients, every device packs all its gradients into a
-    flat buffer, device ``d``'s matrices in ``d``'s share, and one reduce-scatter (mean)
+    With per-device gradients (ZeRO-2), every device packs all its gradients into a flat
+    buffer, device ``d``'s matrices in ``d``'s share, and one reduce-scatter (mean)
     leaves each device the mean gradients of its own matrices. With reduced gradients
-    (plain jit) a device takes its own matrices directly. On one device it stacks.
+    (plain jit) a device stacks its own matrices from the whole leaves.
     """
 
     def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
@@ -119,9 +142,7 @@ class GatherSource:
         self.owner, self.comm, self.leaves = owner, comm, leaves
         self.channel = owner.gather[dtype]
         self.cache: dict[int, jax.Array] = {}
-        self.buffer = None
-        if comm.active and not comm.grads_reduced:
-            self.buffer = self._reduce_scatter(dtype)
+        self.buffer = None if comm.grads_reduced else self._reduce_scatter(dtype)
 
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
         ch = self.channel
@@ -132,9 +153,6 @@ class GatherSource:
                          parts)
         buffer = jnp.concatenate(_device_rows(parts, ch.length, dtype))
         return self.comm.mean_scatter(buffer, 0)
-
-    def _stacked(self, stack: Stack, prev: jax.Array | None = None) -> jax.Array:
-        return stack.stack([after(self.leaves[m.index], prev) for m in stack.members])
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
         """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``."""
@@ -147,28 +165,23 @@ class GatherSource:
             return x.reshape(n, st.rows, st.cols)
         # One stack's stacking copy at a time: it waits for the previous stack.
         if k not in self.cache:
-            self.cache[k] = self._stacked(st, prev)
-        x = self.cache[k]
-        if self.comm.size == 1:
-            return x[j0:j0 + n]
-        mine = np.maximum(sp.slots, 0)[:, j0:j0 + n]   # an unowned slot reads matrix 0
-        return jnp.take(x, jnp.asarray(mine)[self.comm.index()], axis=0)
+            self.cache[k] = st.stack([after(self.leaves[m.index], prev) for m in st.members])
+        mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
+        if isinstance(mine, np.ndarray):   # the same slots on every device (one device)
+            return _take(self.cache[k], mine)
+        return jnp.take(self.cache[k], mine, axis=0)
 
 
 class GatherSink:
-    """Directions of the ``"gather"`` stacks: this device's share, all-gathered."""
+    """Directions of the ``"gather"`` stacks: this device's share, all-gathered (also on
+    a one-device axis, where the all-gather marks the result replicated)."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm = owner, comm
         self.channel = owner.gather[dtype]
-        self.stacked: dict[int, list[jax.Array]] = {}
-        # Also on a one-device axis: the all-gather marks the result replicated.
-        self.buffer = jnp.zeros(self.channel.length, dtype) if comm.active else None
+        self.buffer = jnp.zeros(self.channel.length, dtype)
 
     def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
-        if self.buffer is None:
-            self.stacked.setdefault(k, []).append(o)
-            return
         st = self.owner.stacks[k].stack
         start = self.comm.pick(self.channel.offsets[k]) + j0 * st.rows * st.cols
         flat = o.reshape(-1)
@@ -176,22 +189,17 @@ class GatherSink:
             flat = jnp.where(owned, flat, _dynamic_slice(self.buffer, start, flat.size, 0))
         self.buffer = _dynamic_update(self.buffer, flat, start, 0)
 
-    def finish(self, out: dict[int, jax.Array]) -> None:
-        """Directions of every member leaf, leaf-shaped, into ``out`` (by leaf index)."""
-        if self.buffer is None:
-            for k, parts in self.stacked.items():
-                st = self.owner.stacks[k].stack
-                full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-                for m, leaf in zip(st.members, st.unstack(full)):
-                    out[m.index] = leaf
-            return
+    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        del local_shapes   # every device gets the whole leaves
         everything = self.comm.gather(self.buffer, 0).reshape(self.comm.size, -1)
+        out = {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
             st = sp.stack
             for m, rows in zip(st.members, member_rows(everything, self.channel, k, sp,
                                                         st.rows * st.cols)):
                 out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
+        return out
 
 
 # ------------------------------------------------------------------ exchange transport
@@ -218,7 +226,14 @@ def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
 def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
     """``fn(member)`` for slots ``j0 .. j0+n`` along ``axis``, where members of the stack
     are laid out differently: each layout's result, picked per slot (the device's own
-    table row). One layout: just its result."""
+    table row). One layout: just its result.
+
+    Why variants rather than the layout in the stack's signature: an MLP's ``c_fc`` and
+    ``c_proj`` (split on rows and on columns) share one stack: one batched polar program
+    and one balance over the devices. Split apart, each half is balanced on its own and
+    may leave a remainder slot (a ``lax.cond``) on some devices. The price is a reshape
+    per variant of the received pieces: memory traffic of the gradient's size, no matmul.
+    """
     reps, table = sp.variants()
     if len(reps) == 1:
         return fn(reps[0])
@@ -305,14 +320,15 @@ class ExchangeSink:
             rows = jnp.where(owned, rows, _dynamic_slice(self.buffer, start, rows.shape[1], 1))
         self.buffer = _dynamic_update(self.buffer, rows, start, 1)
 
-    def finish(self, out: dict[int, jax.Array], local_shapes: dict[int, tuple]) -> None:
-        received = self.comm.exchange(self.buffer)
+    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        received, out = self.comm.exchange(self.buffer), {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
             rows = member_rows(received, self.channel, k, sp, sp.route.block_size)
             for m, route, r in zip(sp.stack.members, sp.routes, rows):
                 y = r.reshape((m.batch,) + route.block_shape)
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
+        return out
 
 
 # ------------------------------------------------------------------ local transport
@@ -342,7 +358,8 @@ class LocalSink:
         del j0, owned   # every device owns every slot of a local stack
         self.stacked.setdefault(k, []).append(o)
 
-    def finish(self, out: dict[int, jax.Array], local_shapes: dict[int, tuple]) -> None:
+    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        out = {}
         for k, parts in self.stacked.items():
             st = self.owner.stacks[k].stack
             full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -351,6 +368,7 @@ class LocalSink:
                 count = local_shapes_batch(m, local_shapes[m.index])
                 out[m.index] = m.from_stored(full[start:start + count], local_shapes[m.index])
                 start += count
+        return out
 
 
 def local_shapes_batch(m: MatrixLeaf, shape: tuple) -> int:
@@ -367,8 +385,8 @@ class Transports:
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
         self.scale: jax.Array | None = None   # max_grad_norm's factor, set before load
-        self.sources: dict[Any, Any] = {}
-        self.sinks: dict[Any, Any] = {}
+        self.sources: dict[Any, Source] = {}
+        self.sinks: dict[Any, Sink] = {}
         for dt in owner.gather:
             self.sources[GATHER, dt] = GatherSource(owner, dt, leaves, comm)
             self.sinks[GATHER, dt] = GatherSink(owner, dt, comm)
@@ -400,9 +418,6 @@ class Transports:
     def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         """Every Muon leaf's direction, in its local (this device's) layout."""
         out: dict[int, jax.Array] = {}
-        for key, sink in self.sinks.items():
-            if isinstance(sink, GatherSink):
-                sink.finish(out)
-            else:
-                sink.finish(out, local_shapes)
+        for sink in self.sinks.values():
+            out.update(sink.finish(local_shapes))
         return out

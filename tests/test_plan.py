@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import muon_optax
-from muon_optax.plan import Channel, assign_owners, make_channel, slots_from_owners
+from muon_optax.plan import assign_owners, slots_from_owners
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -65,18 +65,23 @@ def test_assign_owners_pins_and_balances():
                                                    for d in range(2)]
 
 
-def test_channel_offsets_are_per_device_and_compact():
-    class Fake:   # a StackPlan's counts only
-        def __init__(self, counts):
-            self.counts = np.asarray(counts)
-            self.slots = np.zeros((len(counts), max(counts)))
-
-    stacks = [Fake([2, 1, 1]), Fake([0, 1, 2])]
-    ch = make_channel(stacks, [0, 1], lambda sp: 10 if sp is stacks[0] else 3)
-    assert isinstance(ch, Channel)
-    assert ch.offsets.tolist() == [[0, 0, 0], [20, 10, 10]]
-    assert ch.length == max(20 + 0, 10 + 3, 10 + 6)
-    assert ch.sizes == (10, 3) and ch.stacks == (0, 1)
+@pytest.mark.parametrize("n", [3, 8])
+def test_each_devices_share_holds_its_matrices_back_to_back(n):
+    # The ZeRO-2 plan of a nanochat block stack: in every flat buffer (gradients and
+    # state), device d's share holds its owned matrices stack after stack, from 0, with no
+    # gap or overlap; the buffer is as long as the busiest device's share.
+    tx = muon_optax.muon_adamw(GROUPS, lambda p: jax.tree.map(lambda _: "matrix", p),
+                               axis_name="data")
+    owner = tx.init.plan(nanochat_blocks(2), n).owner
+    for ch in [*owner.gather.values(), *owner.momentum.values(), *owner.second.values()]:
+        ends = []
+        for d in range(n):
+            spans = sorted((int(ch.offsets[k, d]),
+                            int(ch.offsets[k, d] + owner.stacks[k].counts[d] * ch.sizes[k]))
+                           for k in ch.stacks)
+            assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            ends.append(spans[-1][1])
+        assert ch.length == max(ends)
 
 
 def test_estimate_errors():

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from muon_optax import orthogonalize
+from muon_optax.order import after
 from muon_optax.polar import (
     POLAR_EXPRESS_COEFFS,
     QUINTIC_COEFFS,
-    after,
     choose_method,
     ns_coefficients,
     polar_express,

@@ -30,8 +30,16 @@ def run(*codes: str) -> dict:
 
 
 def test_quickstart_runs():
+    # One step from the snippet's params: AdamW's first step is lr times the sign of the
+    # gradient (the embedding and the 1-D scale), Muon moves the matrices by a finite step.
     ns = run(block("# other >=2-D -> \"muon\""))
-    assert "params" in ns and "state" in ns
+    params = ns["params"]
+    assert int(ns["state"].count) == 1
+    np.testing.assert_allclose(params["embed"], -3e-3, rtol=1e-5)
+    np.testing.assert_allclose(params["scale"], 1 - 3e-3, rtol=1e-5)
+    for name, before in (("w1", 1 / 8), ("w2", 1 / 16)):
+        step = np.asarray(params[name]) - before
+        assert np.isfinite(step).all() and 1e-3 < np.abs(step).max() < 0.1, name
 
 
 def test_zero2_snippet_and_its_continuations_run():
