@@ -210,3 +210,19 @@ def nanochat_like(n_embd=64, n_layer=4, vocab=512):
                        weight_decay=0.2),
     }
     return params, labels, groups
+
+
+def tiny_lm():
+    """A tiny LM's params (embedding, two matrices, a gain), its groups and labels: the
+    tests that take jax.grad inside shard_map train it."""
+    rng = np.random.default_rng(0)
+    params = {"embed": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
+              "w1": (rng.standard_normal((32, 64)) / 8).astype(np.float32),
+              "w2": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
+              "gain": np.ones(32, np.float32)}
+    groups = {"adamw": dict(kind="adamw", lr=3e-3, betas=(0.8, 0.95), eps=1e-10,
+                            weight_decay=0.0),
+              "muon": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
+                           weight_decay=0.1, compute_dtype=jnp.float32)}
+    labels = muon_optax.label_by_path([("embed", "adamw")])
+    return params, groups, labels

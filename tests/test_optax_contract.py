@@ -27,17 +27,6 @@ ROWS = 2            # token rows per device
 CLIP = 0.005        # below every step's global norm here: clipping acts
 
 
-def _tiny_lm():
-    rng = np.random.default_rng(0)
-    params = {"embed": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
-              "w1": (rng.standard_normal((32, 64)) / 8).astype(np.float32),
-              "w2": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
-              "gain": np.ones(32, np.float32)}
-    groups = {"adamw": dict(kind="adamw", lr=3e-3, betas=(0.8, 0.95), eps=1e-10,
-                            weight_decay=0.0),
-              "muon": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
-                           weight_decay=0.1, compute_dtype=jnp.float32)}
-    return params, groups, muon_optax.label_by_path([("embed", "adamw")])
 
 
 def _loss(params, tokens, weight):
@@ -113,7 +102,7 @@ def test_clipping_and_nonfinite_steps_match_the_one_device_chain(mode):
     """max_grad_norm= and skip_nonfinite= on the mean gradient: equal to
     chain(clip_by_global_norm, tx) on one device fed the global batch, a NaN on one
     device skipping the step everywhere (the state, count included, as before it)."""
-    params, groups, labels = _tiny_lm()
+    params, groups, labels = sp.tiny_lm()
     batches = _batches(4, nan_step=2)
     ref = optax.chain(optax.clip_by_global_norm(CLIP), muon_optax.muon_adamw(groups, labels))
     for tokens, weight in batches[:2]:   # clipping acts at the steps compared
@@ -134,7 +123,7 @@ def test_clipping_and_nonfinite_steps_match_the_one_device_chain(mode):
     lambda **kw: muon_optax.contrib_muon(0.02, weight_decay=0.1, **kw)],
     ids=["muon", "adamw", "contrib_muon"])
 def test_every_constructor_clips_the_mean_gradient_under_zero2(make):
-    params, _, _ = _tiny_lm()
+    params, _, _ = sp.tiny_lm()
     if make(max_grad_norm=CLIP).init.options.name == "muon":
         del params["gain"]                  # Muon takes matrices only
     batches = _batches(2)
@@ -149,7 +138,7 @@ def test_every_constructor_clips_the_mean_gradient_under_zero2(make):
 def test_params_split_inside_shard_map_are_refused(where):
     """in_specs=P("data") hands each device an 8-row block of each matrix: Muon would
     orthogonalize the blocks, a wrong step without a word. The types show it."""
-    params, _, _ = _tiny_lm()
+    params, _, _ = sp.tiny_lm()
     params = {"w1": params["w1"], "w2": params["w2"]}
     mesh = sp.make_mesh((N,))
     tx = muon_optax.muon(0.02, axis_name="data")
@@ -222,7 +211,7 @@ def test_size_zero_adamw_leaf_stays_whole_under_zero2():
 
 
 def test_multisteps_inside_shard_map_points_to_the_accumulation_recipe():
-    params, groups, labels = _tiny_lm()
+    params, groups, labels = sp.tiny_lm()
     mesh = sp.make_mesh((N,))
     inner = muon_optax.muon_adamw(groups, labels, axis_name="data")
     tx = optax.MultiSteps(inner, 2)
@@ -246,7 +235,7 @@ def _is_spec(x):
 
 @pytest.mark.parametrize("wrap", ["chain", "multisteps", "apply_if_finite", "partition"])
 def test_state_specs_find_the_state_inside_wrappers(wrap):
-    params, groups, labels = _tiny_lm()
+    params, groups, labels = sp.tiny_lm()
     mesh = sp.make_mesh((N,))
     tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
     inner = muon_optax.state_specs(tx, params, mesh)
@@ -274,7 +263,7 @@ def test_inject_hyperparams_runs_in_every_mode_and_names_static_args():
     mesh= on an Explicit mesh (the injected lr, an array, enters the engine's shard_map
     as an argument: closing over it failed). A Mesh without static_args is refused with
     the fix."""
-    params, _, _ = _tiny_lm()
+    params, _, _ = sp.tiny_lm()
     params = {"embed": params["embed"]}
     mesh = sp.make_mesh((N,))
     inject = optax.inject_hyperparams(muon_optax.adamw, static_args=("axis_name", "mesh"))
@@ -319,7 +308,7 @@ def test_export_state_finds_the_state_inside_a_chain():
 def test_multisteps_in_the_mesh_form_equals_one_device_on_both_micro_batches():
     """Plain jit (mesh=): the gradients are global arrays, so MultiSteps accumulates
     them as on one device."""
-    params, groups, labels = _tiny_lm()
+    params, groups, labels = sp.tiny_lm()
     batches = _batches(2)
     tx = optax.MultiSteps(muon_optax.muon_adamw(groups, labels, axis_name="data",
                                                 mesh=sp.make_mesh((N,))), 2)

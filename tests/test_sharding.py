@@ -368,18 +368,6 @@ def test_mesh_mode_under_plain_jit_matches_single_device_and_shards_state():
 # ------------------------------------------- gradients taken inside shard_map (jax.grad)
 
 
-def _tiny_lm():
-    rng = np.random.default_rng(0)
-    params = {"embed": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
-              "w1": (rng.standard_normal((32, 64)) / 8).astype(np.float32),
-              "w2": (rng.standard_normal((64, 32)) / 8).astype(np.float32),
-              "gain": np.ones(32, np.float32)}
-    groups = {"adamw": dict(kind="adamw", lr=3e-3, betas=(0.8, 0.95), eps=1e-10,
-                            weight_decay=0.0),
-              "muon": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
-                           weight_decay=0.1, compute_dtype=jnp.float32)}
-    labels = muon_optax.label_by_path([("embed", "adamw")])
-    return params, groups, labels
 
 
 def _loss(params, tokens):
@@ -392,7 +380,7 @@ def test_grads_inside_shard_map_match_one_device_on_the_global_batch():
     tx.update; the step equals one device on the whole batch, and the compiled step
     all-reduces no gradient (reduce-scatter + all-gather: one all-reduce's bytes)."""
     n = 4
-    params, groups, labels = _tiny_lm()
+    params, groups, labels = sp.tiny_lm()
     mesh = sp.make_mesh((n,))
     tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
     specs = muon_optax.state_specs(tx, params, mesh)
@@ -434,7 +422,7 @@ def test_grads_inside_shard_map_match_one_device_on_the_global_batch():
 
 
 def test_reduced_gradients_are_refused_inside_shard_map():
-    params, groups, labels = _tiny_lm()
+    params, groups, labels = sp.tiny_lm()
     mesh = sp.make_mesh((4,))
     tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
     specs = muon_optax.state_specs(tx, params, mesh)
