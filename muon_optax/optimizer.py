@@ -35,6 +35,19 @@ def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
     return optax.GradientTransformation(Init(init_fn, opts), update_fn)
 
 
+def _refuse_injection(small_param_threshold: Any) -> None:
+    """``optax.inject_hyperparams(muon_adamw)`` hands its numbers in as arrays, and the only
+    numeric argument it finds is ``small_param_threshold``: say what to do instead."""
+    if isinstance(small_param_threshold, jax.Array):
+        raise TypeError(
+            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
+            "hyperparameters live in the groups dict, which it leaves alone (it took "
+            "small_param_threshold for one). Schedule a group's values instead: every scalar "
+            "of a group may be an optax schedule, e.g. dict(kind='muon', "
+            "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
+            "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
+
+
 def muon_adamw(
     groups: Mapping[str, Mapping[str, Any]],
     param_labels: Any,
@@ -104,14 +117,7 @@ def muon_adamw(
       An ``optax.GradientTransformation`` with :class:`MuonAdamWState`. ``update``
       needs ``params``.
     """
-    if isinstance(small_param_threshold, jax.Array):
-        raise TypeError(
-            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
-            "hyperparameters live in the groups dict, which it leaves alone (it took "
-            "small_param_threshold for one). Schedule a group's values instead: every scalar "
-            "of a group may be an optax schedule, e.g. dict(kind='muon', "
-            "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
-            "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
+    _refuse_injection(small_param_threshold)
     configs = parse_groups(groups)
     check_owner_args(axis_name, mesh, "muon_adamw")
     if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
@@ -186,11 +192,9 @@ def muon(
         it may allow one iteration fewer); also optax's ``"frobenius"``,
         ``"spectral"``, ``"schatten"``.
       mu_dtype: dtype of the momentum buffer (default: the parameter's).
-      axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw` (for
-        ``optax.partition`` users who shard).
-      max_grad_norm, skip_nonfinite: clipping of the mean gradient and skipped non-finite
-        steps, as in :func:`muon_optax.muon_adamw` (inside ``optax.partition`` they see
-        only this partition's leaves).
+      axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
+        :func:`muon_optax.muon_adamw` (inside ``optax.partition``, clipping and the
+        non-finite check see only this partition's leaves).
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
