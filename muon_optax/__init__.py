@@ -7,10 +7,9 @@
 See the README for the mapping from nanochat's ``param_groups``.
 """
 
-from optax.contrib import MuonDimensionNumbers
-
 from muon_optax.contrib import contrib_muon
 from muon_optax.describe import describe
+from muon_optax.dimension_numbers import MuonDimensionNumbers
 from muon_optax.engine import MuonAdamWState, MuonBuffers
 from muon_optax.estimate import estimate
 from muon_optax.hparams import current_hyperparams

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.contrib import MuonDimensionNumbers
 
+from muon_optax.dimension_numbers import MuonDimensionNumbers, block_counts, is_dimension_numbers
 from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar
 from muon_optax.labels import path_str
 from muon_optax.optimizer import build
@@ -106,7 +106,7 @@ class _Split:
         if self.spec is None:  # optax's default: exactly the 2-D leaves
             return [_FLAX_LAYOUT if np.ndim(x) == 2 else None for x in leaves]
         tree = self.spec(params) if callable(self.spec) else self.spec
-        is_leaf = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
+        is_leaf = lambda x: x is None or is_dimension_numbers(x)  # noqa: E731
         try:
             boxed = jax.tree.map(lambda d, sub: jax.tree.map(lambda _: _Box(d), sub),
                                  tree, params, is_leaf=is_leaf)
@@ -120,8 +120,8 @@ class _Split:
         # optax orthogonalizes a 2-D leaf as laid out, its dimension numbers used for the
         # shape scaling only. Only AOL on a square can tell (it scales the rows), and a
         # square's scaling is 1 either way: run 2-D squares as (rows, cols) = axes (0, 1).
-        return [_FLAX_LAYOUT if d is not None and np.ndim(x) == 2
-                and x.shape[0] == x.shape[1] else d for x, d in zip(leaves, dims)]
+        return [_FLAX_LAYOUT if d is not None and np.ndim(x) == 2 and x.shape[0] == x.shape[1]
+                and block_counts(d) == (1, 1) else d for x, d in zip(leaves, dims)]
 
     def decayed(self, params: Any, dims: list[Any]) -> list[bool]:
         """Per leaf: True where the Muon weight decay applies (``weight_decay_mask``).

@@ -18,7 +18,8 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
 
     Prints a table to ``file`` (``None``: print nothing) and returns its rows, one dict
     per leaf: ``path``, ``shape``, ``group``, ``kind`` (``"adamw"``/``"muon"``), and for
-    Muon leaves ``matrices`` (how many), ``matrix`` (``(out, in)``), ``stored`` (the
+    Muon leaves ``matrices`` (how many: blocks count one each), ``matrix`` (``(out,
+    in)``, of a block), ``blocks`` (``(output_blocks, reduction_blocks)``), ``stored`` (the
     stack's ``(R, C)`` layout, ``"transposed"`` when the leaf is stored as its
     transpose), ``stack`` (its index), ``transport`` and ``owners`` (devices owning its
     matrices). ``num_devices``: plan for that many devices along the owner axis.
@@ -43,6 +44,7 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
             start += m.batch
             rows[m.index].update(
                 group=m.group, kind="muon", matrices=m.batch, matrix=(m.rows, m.cols),
+                blocks=(m.blocks[1], m.blocks[0]),
                 stored=(sp.stack.rows, sp.stack.cols, "transposed" if m.transposed else ""),
                 stack=k, transport=sp.transport, owners=owners)
     if file is not None:
@@ -59,6 +61,8 @@ def _table(rows: list[dict[str, Any]], n: int, configs: dict[str, Any]) -> str:
         if r["kind"] == "muon":
             rows_, cols_, t = r["stored"]
             seen = f"{r['matrices']} x {r['matrix'][0]}x{r['matrix'][1]}"
+            if r["blocks"] != (1, 1):
+                seen += f" ({r['blocks'][0]}x{r['blocks'][1]} blocks)"
             stack = f"#{r['stack']} ({rows_}x{cols_}{', ' + t if t else ''})"
             owners = _ranges(r["owners"]) + (f" [{r['transport']}]" if n > 1 else "")
         else:

@@ -376,7 +376,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
     adamw_grads = _adamw_grads(plan, comm, g_leaves, p_leaves)
-    moves = Transports(plan.owner, g_leaves, comm) if comm.active else None
+    g_view, p_view = _block_views(plan, g_leaves), _block_views(plan, p_leaves)
+    moves = Transports(plan.owner, g_view, comm) if comm.active else None
     if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
         stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if moves
                  else global_stats(g_leaves, opts.max_grad_norm, opts.skip_nonfinite))
@@ -385,15 +386,28 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     updates = [None] * len(g_leaves)
     mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, adamw_grads, state, updates)
     if moves is None:   # one device: stack -> kernel -> unstack
-        muon = single.muon_phase(plan, opts.configs, hps, count, g_leaves, p_leaves,
+        muon = single.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
                                  state.muon, stats.scale, updates)
     else:               # owners: the same kernel, the matrices moved to and from them
         moves.scale = stats.scale
-        muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, g_leaves,
-                                 p_leaves, state, updates)
+        muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, g_view,
+                                 p_view, state, updates)
+    for m in plan.muon:   # from the block views back to the leaves
+        updates[m.index] = updates[m.index].reshape(g_leaves[m.index].shape)
     new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped)
     updates, new_state = select(stats.finite, updates, new_state, state)
     return plan.treedef.unflatten(updates), new_state
+
+
+def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
+    """The Muon leaves in their block views (:meth:`MatrixLeaf.view`: a reshape, the
+    identity without blocks); the others as they are."""
+    if leaves is None:
+        return None
+    out = list(leaves)
+    for m in plan.muon:
+        out[m.index] = m.view(leaves[m.index])
+    return out
 
 
 def _needs_params(opts: Options) -> bool:

@@ -75,7 +75,8 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
       step, ring algorithms). Also ``"program_flops"``: one device's compiled program on
       this backend, every conditional Muon slot counted as XLA's cost analysis counts
       it, plus the AdamW arithmetic; and ``"stacks"`` (shape, matrices, transport, slots
-      per device of each stack).
+      per device of each stack, and its members: each leaf's path, matrices and
+      ``(output_blocks, reduction_blocks)``; a block is one matrix).
     """
     plan, opts = _plan(tx, params, num_devices, param_specs)
     n = num_devices
@@ -114,7 +115,10 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
         "program_flops": program,
         "stacks": [dict(shape=(sp.stack.rows, sp.stack.cols), matrices=sp.stack.size,
                         transport=sp.transport, slots=sp.num_slots,
-                        flops_per_matrix=executed_flops(sp.stack))
+                        flops_per_matrix=executed_flops(sp.stack),
+                        members=[dict(path=m.path, matrices=m.batch,
+                                      blocks=(m.blocks[1], m.blocks[0]))
+                                 for m in sp.stack.members])
                    for sp in plan.owner.stacks],
     }
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from optax.contrib import MuonDimensionNumbers
 
+from muon_optax.dimension_numbers import MuonDimensionNumbers
 from muon_optax.variables import unbox, unboxed_structure
 
 

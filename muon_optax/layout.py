@@ -11,6 +11,13 @@ axes, ``output_axis`` = output axes, all other axes batch). Default: the last tw
 are ``(in, out)``, the Flax ``Dense`` layout, and leading axes (a scanned layer stack)
 are batch axes.
 
+Blocks. ``MuonDimensionNumbers(..., reduction_blocks, output_blocks)`` cut each matrix
+into equal blocks, each one Muon matrix. A block split is a reshape of the leaf: the
+cut axis ``n`` becomes ``(blocks, n / blocks)`` and the first of the two is a batch
+axis. So a :class:`MatrixLeaf` describes the leaf's *block view* (``shape``, and axes
+numbered in it); :meth:`MatrixLeaf.view` reshapes a leaf (or a device's block of one)
+into it, and everything after (stacks, owners, transports, state) sees only blocks.
+
 Stacks. A tall matrix (``R > C``) is stored transposed, as its ``(C, R)`` wide
 transpose: the polar iteration commutes with transposition, and the steps that do not
 (row equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix flag.
@@ -31,8 +38,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from optax.contrib import MuonDimensionNumbers
 
+from muon_optax.dimension_numbers import (
+    MuonDimensionNumbers,
+    block_counts,
+    is_dimension_numbers,
+)
 from muon_optax.labels import attention_dimension_numbers, path_str
 from muon_optax.variables import unbox, unboxed_structure
 
@@ -52,11 +63,15 @@ def _axes(value: Any, ndim: int, name: str, path: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class MatrixLeaf:
-    """A Muon parameter leaf seen as ``batch`` matrices of ``rows x cols`` (out x in)."""
+    """A Muon parameter leaf seen as ``batch`` matrices of ``rows x cols`` (out x in).
+
+    With blocks, ``shape`` and the axes are the leaf's block view's (see the module
+    docstring), ``batch`` counts blocks and ``rows x cols`` is one block.
+    """
 
     index: int                  # position among all param leaves (flattening order)
     path: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]      # the block view's shape (the leaf's without blocks)
     dtype: Any
     group: str
     batch_axes: tuple[int, ...]
@@ -65,6 +80,52 @@ class MatrixLeaf:
     batch: int
     rows: int
     cols: int
+    leaf_shape: tuple[int, ...]
+    splits: tuple[tuple[int, int], ...]   # (leaf axis, block size along it)
+    blocks: tuple[int, int]               # (reduction_blocks, output_blocks)
+
+    def view(self, x: jax.Array) -> jax.Array:
+        """The block view of a leaf-shaped array, or of one device's block of the leaf
+        laid out as :meth:`view_spec` allows."""
+        if not self.splits:
+            return x
+        inner_of, shape = dict(self.splits), []
+        for a, n in enumerate(x.shape):
+            if a not in inner_of:
+                shape.append(n)
+                continue
+            inner, split = inner_of[a], self.leaf_shape[a] // n
+            outer = self.leaf_shape[a] // inner
+            local_inner = inner if outer % split == 0 else inner // (split // outer)
+            shape += [n // local_inner, local_inner]
+        return x.reshape(shape)
+
+    def view_spec(self, spec: tuple[tuple[str, ...], ...],
+                  sizes: dict[str, int]) -> tuple[tuple[str, ...], ...]:
+        """The leaf's layout (mesh axes per leaf axis) as a layout of its block view.
+
+        A cut axis split over ``g`` devices keeps whole blocks on each when ``g``
+        divides the block count (the split lies on block boundaries: the mesh axes go
+        to the block axis); when its first mesh axes count exactly the blocks, the rest
+        split each block. Raises ``NotImplementedError`` otherwise.
+        """
+        inner_of, out = dict(self.splits), []
+        for a, entry in enumerate(spec):
+            if a not in inner_of:
+                out.append(entry)
+                continue
+            outer = self.leaf_shape[a] // inner_of[a]
+            if outer % math.prod(sizes[name] for name in entry) == 0:
+                out += [entry, ()]
+                continue
+            for i in range(1, len(entry) + 1):
+                if math.prod(sizes[name] for name in entry[:i]) == outer:
+                    out += [entry[:i], entry[i:]]
+                    break
+            else:
+                raise NotImplementedError(
+                    f"its axis {a} is split over {entry} across its {outer} blocks unevenly")
+        return tuple(out)
 
     @property
     def transposed(self) -> bool:
@@ -130,6 +191,39 @@ class MatrixLeaf:
         return jnp.transpose(y.reshape(permuted_shape), np.argsort(self.stored_perm))
 
 
+def _cut(side: tuple[int, ...], shape: tuple[int, ...], blocks: Any, name: str,
+         path: str) -> tuple[list[int], dict[int, int]]:
+    """How ``blocks`` equal blocks cut a side (its axes in flattening order): the axes
+    that become block axes whole, and the axis split as ``(outer, n / outer)``."""
+    total = math.prod(shape[a] for a in side)
+    if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1:
+        raise ValueError(f"parameter {path!r}: {name} must be a positive int, got "
+                         f"{blocks!r}. Fix its MuonDimensionNumbers.")
+    sizes = tuple(shape[a] for a in side)
+    if total % blocks:
+        raise ValueError(
+            f"parameter {path!r} of shape {shape}: {name}={blocks} does not divide its side "
+            f"of {total} (axes {side}, sizes {sizes}); blocks are equal. Use a count that "
+            f"divides {total}, e.g. the number of heads.")
+    whole, split, q = [], {}, int(blocks)
+    for i, a in enumerate(side):
+        if q == 1:
+            break
+        n = shape[a]
+        if q % n == 0 and (q > n or i + 1 < len(side)):
+            whole.append(a)
+            q //= n
+        elif n % q == 0:
+            split[a], q = q, 1
+        else:
+            raise ValueError(
+                f"parameter {path!r} of shape {shape}: {name}={blocks} cuts axis {a} "
+                f"(size {n}) of its side {side} (sizes {sizes}, flattened in that order) "
+                "across blocks unevenly: blocks must end on that axis's boundaries. Use a "
+                "count made of whole leading axes times a divisor of the next one.")
+    return whole, split
+
+
 def matrix_leaf(index: int, path: str, leaf: Any, group: str,
                 dims: MuonDimensionNumbers | None) -> MatrixLeaf:
     """Checks a Muon leaf and its dimension numbers; raises naming the path."""
@@ -140,7 +234,7 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
             "Muon needs a matrix (2 or more axes). Give scalars and vectors to an AdamW "
             "group.")
     dims = DEFAULT_DIMENSION_NUMBERS if dims is None else dims
-    if not isinstance(dims, MuonDimensionNumbers):
+    if not is_dimension_numbers(dims):
         raise TypeError(f"parameter {path!r}: dimension_numbers must hold "
                         f"MuonDimensionNumbers, got {dims!r}.")
     red = _axes(dims.reduction_axis, len(shape), "reduction_axis", path)
@@ -148,14 +242,35 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
     if len(set(red + out)) != len(red) + len(out):
         raise ValueError(f"parameter {path!r}: reduction_axis {red} and output_axis {out} "
                          "must be distinct axes.")
-    batch_axes = tuple(a for a in range(len(shape)) if a not in red + out)
     if 0 in shape:
         raise ValueError(f"parameter {path!r} has shape {shape} with an empty axis; "
                          "Muon cannot orthogonalize an empty matrix.")
-    size = lambda axes: math.prod(shape[a] for a in axes)  # noqa: E731
-    return MatrixLeaf(index=index, path=path, shape=shape, dtype=jnp.dtype(leaf.dtype),
-                      group=group, batch_axes=batch_axes, out_axes=out, in_axes=red,
-                      batch=size(batch_axes), rows=size(out), cols=size(red))
+    red_blocks, out_blocks = block_counts(dims)
+    whole_r, split_r = _cut(red, shape, red_blocks, "reduction_blocks", path)
+    whole_o, split_o = _cut(out, shape, out_blocks, "output_blocks", path)
+    split = {**split_r, **split_o}
+    # The block view: a split axis n becomes (outer, n / outer), outer a batch axis.
+    at: dict[int, tuple[int, ...]] = {}
+    vshape: list[int] = []
+    for a, n in enumerate(shape):
+        if a in split:
+            at[a] = (len(vshape), len(vshape) + 1)
+            vshape += [split[a], n // split[a]]
+        else:
+            at[a] = (len(vshape),)
+            vshape.append(n)
+    blocked = set(whole_r + whole_o) | set(split)
+    batch_axes = tuple(sorted([at[a][0] for a in range(len(shape))
+                               if a not in red + out or a in blocked]))
+    red_v = tuple(at[a][-1] for a in red if a not in whole_r)
+    out_v = tuple(at[a][-1] for a in out if a not in whole_o)
+    size = lambda axes: math.prod(vshape[a] for a in axes)  # noqa: E731
+    return MatrixLeaf(index=index, path=path, shape=tuple(vshape),
+                      dtype=jnp.dtype(leaf.dtype), group=group, batch_axes=batch_axes,
+                      out_axes=out_v, in_axes=red_v, batch=size(batch_axes),
+                      rows=size(out_v), cols=size(red_v), leaf_shape=shape,
+                      splits=tuple((a, shape[a] // split[a]) for a in sorted(split)),
+                      blocks=(int(red_blocks), int(out_blocks)))
 
 
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
@@ -163,7 +278,7 @@ def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
     ``(in, out)`` = the last two axes. The default reads Flax's attention kernels as one
     matrix each (:func:`muon_optax.labels.attention_dimension_numbers`)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    if isinstance(dimension_numbers, MuonDimensionNumbers):
+    if is_dimension_numbers(dimension_numbers):
         return [dimension_numbers] * treedef.num_leaves
     if dimension_numbers is None:
         dims = [None] * treedef.num_leaves

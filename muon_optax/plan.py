@@ -226,6 +226,20 @@ def executed_flops(stack: Stack) -> int:
             + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
 
 
+def lower_bound(costs: np.ndarray, n: int) -> float:
+    """A lower bound on the busiest device's load, whatever the assignment: the mean, the
+    largest unit, and for every ``k`` the ``k n + 1`` largest units, of which some device
+    gets ``k + 1`` (so at least ``k + 1`` times the smallest of them). The last matters
+    where units are few and uneven: 24 big matrices on 16 devices put two on some device,
+    which the mean (1.5 of them) does not see, and balancing state against that loose
+    bound would pile small matrices' state on the devices with one big matrix."""
+    p = np.sort(np.asarray(costs, float))[::-1]
+    bound = max(p.sum() / n, p[0] if len(p) else 0.0, 1e-30)
+    for k in range(1, (len(p) - 1) // n + 1):
+        bound = max(bound, (k + 1) * p[k * n])
+    return bound
+
+
 def _greedy(order: list[int], flops: np.ndarray, state: np.ndarray, owners: np.ndarray,
             n: int, balance_both: bool) -> np.ndarray:
     """Each matrix of ``order`` to the least loaded device: by FLOPs (ties: state, then
@@ -234,8 +248,7 @@ def _greedy(order: list[int], flops: np.ndarray, state: np.ndarray, owners: np.n
     load, held = np.zeros(n), np.zeros(n)
     np.add.at(load, owners[owners >= 0], flops[owners >= 0])
     np.add.at(held, owners[owners >= 0], state[owners >= 0])
-    f_bound = max(flops.sum() / n, flops.max(initial=0), 1e-30)
-    s_bound = max(state.sum() / n, state.max(initial=0), 1e-30)
+    f_bound, s_bound = lower_bound(flops, n), lower_bound(state, n)
     index = np.arange(n)
     for i in order:
         if balance_both:
@@ -265,8 +278,7 @@ def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: i
     flops, state = np.asarray(flops, float), np.asarray(state, float)
     owners = np.full(len(flops), -1, np.int64) if fixed is None else np.asarray(fixed, np.int64)
     order = sorted(np.flatnonzero(owners < 0).tolist(), key=lambda i: (-flops[i], -state[i], i))
-    f_bound = max(flops.sum() / num_devices, flops.max(initial=0), 1e-30)
-    s_bound = max(state.sum() / num_devices, state.max(initial=0), 1e-30)
+    f_bound, s_bound = lower_bound(flops, num_devices), lower_bound(state, num_devices)
 
     def worst(o: np.ndarray) -> float:
         f = np.bincount(o, flops, minlength=num_devices).max() / f_bound
@@ -582,7 +594,8 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             holders.append(None)
             held.append(None)
             continue
-        hold = [local_holders(m, specs[m.index], axes) for m in st.members]
+        hold = [local_holders(m, m.view_spec(specs[m.index], dict(axes)), axes)
+                for m in st.members]
         holders.append(np.concatenate([h for h, _ in hold]))
         held.append([[(i, b) for i, (_, per_device) in enumerate(hold) for b in per_device[d]]
                      for d in range(n)])
@@ -604,10 +617,10 @@ def _muon_transport(leaf: MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]
             f"is not an owner axis (axis_name={tuple(owners)}); Muon needs whole matrices: "
             f"add {foreign[0]!r} to axis_name, or do not split Muon params over it.")
     try:
-        return classify(leaf, spec, axes), spec
+        return classify(leaf, leaf.view_spec(spec, dict(axes)), axes), spec
     except NotImplementedError as e:
         warnings.warn(f"{where}: parameter {leaf.path!r} is laid out as {spec}, and {e}; it "
                       "is gathered whole on every device before the update (more traffic). "
-                      "Split either its layer axes over all of axis_name, or its matrix "
-                      "axes.", stacklevel=4)
+                      "Split either its layer (or expert, or block) axes over all of "
+                      "axis_name, or its matrix axes within blocks.", stacklevel=4)
         return (GATHER, None), ((),) * len(spec)

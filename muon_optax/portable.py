@@ -112,7 +112,8 @@ def _like_muon(plan: TreePlan, specs: Any) -> Any:
 
 def _second_shape(m: MatrixLeaf, sp: StackPlan) -> tuple[int, ...]:
     """Leaf-shaped NorMuon statistics: the averaged side's axes have length 1 (both
-    sides, one unused number per matrix, for a group without NorMuon)."""
+    sides, one unused number per matrix, for a group without NorMuon). With blocks,
+    shaped as the leaf's block view (one row or column of statistics per block)."""
     rows = m.in_axes if m.transposed else m.out_axes        # the stored rows' leaf axes
     cols = m.out_axes if m.transposed else m.in_axes
     if not sp.stack.config.normuon:
@@ -133,7 +134,8 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
         buf = bufs[key][0 if momentum else 1]
         for m, stored in zip(st.members, member_rows(buf, channel, k, sp, size)):
             if momentum:
-                out[m.index] = m.from_stored(stored.reshape(m.batch, st.rows, st.cols))
+                out[m.index] = m.from_stored(stored.reshape(m.batch, st.rows, st.cols)
+                                             ).reshape(m.leaf_shape)
             else:
                 stored = stored.reshape((m.batch,) + sp.second_shape)
                 out[m.index] = m.from_stored(stored, _second_shape(m, sp))
@@ -243,7 +245,7 @@ def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
         for m in st.members:
             x = jnp.asarray(leaves[m.index], dt)
             if momentum:
-                stored.append(m.to_stored(x).reshape(m.batch, -1))
+                stored.append(m.to_stored(m.view(x)).reshape(m.batch, -1))
             else:
                 stored.append(jnp.transpose(x, m.stored_perm).reshape(m.batch, -1))
         stored = jnp.concatenate(stored)

@@ -185,6 +185,24 @@ def test_fsdp_follows_one_device_and_compare_adamw(frozen_one, corpus, tmp_path,
     assert config["mode"] == "FSDP" and config["devices"] == 4 and config["fsdp"]
 
 
+def test_muon_blocks_on_fsdp_follow_one_device(frozen_one, corpus, tmp_path, capsys):
+    """--muon-blocks groups:2 (4 heads of 16: two blocks per attention kernel): one
+    device and FSDP on 2 devices (c_proj's input blocks split on their boundary) take
+    the same steps, and not nanochat's."""
+    blocks = ("--head-dim", "16", "--muon-blocks", "groups:2", *FROZEN_LAMBDAS)
+    assert run(tmp_path / "one", corpus, *blocks) == 0
+    assert run(tmp_path / "fsdp", corpus, *blocks, "--devices", "2", "--fsdp") == 0
+    assert run(tmp_path / "none", corpus, "--head-dim", "16", *FROZEN_LAMBDAS) == 0
+    capsys.readouterr()
+    one, fsdp, none = (read_log(tmp_path / d) for d in ("one", "fsdp", "none"))
+    np.testing.assert_allclose([r["loss"] for r in fsdp[1:]], [r["loss"] for r in one[1:]],
+                               rtol=1e-5)
+    assert one[0]["val_loss"] == none[0]["val_loss"]       # the same init
+    assert abs(one[-1]["val_loss"] - none[-1]["val_loss"]) > 1e-4
+    config = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert config["muon_blocks"] == "groups:2"
+
+
 def _keep_checkpoints_up_to(out, step):
     for ckpt in (Path(out) / "ckpt").iterdir():
         if int(ckpt.name) > step:

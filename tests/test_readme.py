@@ -134,3 +134,19 @@ def test_nnx_optimizer_snippets_one_device_fsdp_auto_and_explicit_checkpoint():
         on_mesh = ns["fsdp_step"](ns["model"], ns["optimizer"], ns["tokens"])
     moved = ns["train_step"](ns["model1"], ns["optimizer1"], ns["tokens"])
     np.testing.assert_allclose(float(moved), float(on_mesh), rtol=1e-5)
+
+
+def test_blocks_snippet_runs_and_cuts_as_its_comments_say():
+    ns = run(block("D = muon_optax.MuonDimensionNumbers"))
+    tx, params = ns["tx"], ns["params"]
+    rows = {r["path"]: r for r in muon_optax.describe(tx, params)}
+    heads, group, d = ns["heads"], ns["group"], ns["d"]
+    assert (rows["c_q"]["matrices"], rows["c_q"]["matrix"]) == (heads, (d // heads, d))
+    assert rows["c_k"]["matrices"] == heads // group
+    assert (rows["qkv"]["matrices"], rows["qkv"]["matrix"]) == (3, (d, d))
+    assert rows["gate_up"]["matrices"] == 2
+    assert (rows["c_proj"]["matrices"], rows["c_proj"]["matrix"]) == (heads, (d, d // heads))
+    assert rows["experts"]["matrices"] == 4
+    grads = jax.tree.map(lambda x: x + 0.01, params)
+    updates, _ = tx.update(grads, ns["state"], params)
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))

@@ -34,6 +34,7 @@ off by default (tiny CPU batches would get ~16x smaller lrs).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import jax
@@ -56,6 +57,30 @@ LABEL_RULES = (
     (r"^blocks/\d+/(attn|mlp)/\w+/kernel", "matrix"),
 )
 GROUP_NAMES = ("lm_head", "embed", "resid", "x0", "matrix")
+# --muon-blocks: which attention kernels are cut into head blocks, and on which side.
+_HEAD_OUTPUTS = r"^blocks/\d+/attn/(c_q|c_k|c_v)/kernel$"   # (d, heads * head_dim)
+_HEAD_INPUTS = r"^blocks/\d+/attn/c_proj/kernel$"           # (heads * head_dim, d)
+
+
+def block_dimension_numbers(params, n_head: int, heads_per_block: int | None) -> Any:
+    """``dimension_numbers`` for ``--muon-blocks``: the attention projections' kernels
+    cut into blocks of ``heads_per_block`` heads each (``c_q``/``c_k``/``c_v`` on their
+    output side, ``c_proj`` on its input side), every block its own Muon matrix; the
+    MLP whole. None (nanochat's rule: every kernel one matrix) for None."""
+    if heads_per_block is None:
+        return None
+    if n_head % heads_per_block:
+        raise ValueError(f"{heads_per_block} heads per block do not divide the model's "
+                         f"{n_head} heads")
+    blocks = n_head // heads_per_block
+    outputs = muon_optax.MuonDimensionNumbers(0, 1, output_blocks=blocks)
+    inputs = muon_optax.MuonDimensionNumbers(0, 1, reduction_blocks=blocks)
+
+    def dims(path, _):
+        name = muon_optax.path_str(path)
+        return outputs if re.match(_HEAD_OUTPUTS, name) else (
+            inputs if re.match(_HEAD_INPUTS, name) else None)
+    return jax.tree_util.tree_map_with_path(dims, params)
 
 
 def lr_multiplier(
@@ -229,6 +254,7 @@ def make_optimizer(
     axis_name: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
+    heads_per_block: int | None = None,
     **group_settings: Any,
 ) -> optax.GradientTransformation:
     """nanochat's MuonAdamW for a ``model.GPT`` with config ``cfg``.
@@ -240,9 +266,12 @@ def make_optimizer(
     ``muon_optax.muon_adamw`` (ZeRO-2 inside ``shard_map``), with ``mesh`` and
     ``param_specs`` (the params' PartitionSpecs on that mesh of auto axes) the one for
     plain ``jax.jit`` over params laid out as ``param_specs`` say (FSDP).
+    ``heads_per_block``: Muon on blocks of that many heads of the attention kernels
+    (see :func:`block_dimension_numbers`); None is nanochat's rule.
     """
     check_labels(params)
     groups = make_groups(cfg.n_embd, total_steps=total_steps, **group_settings)
     labels = muon_optax.label_by_path(LABEL_RULES, matrix="unmatched", other="unmatched")
-    return muon_optax.muon_adamw(groups, labels, axis_name=axis_name, mesh=mesh,
-                                 param_specs=param_specs)
+    return muon_optax.muon_adamw(
+        groups, labels, axis_name=axis_name, mesh=mesh, param_specs=param_specs,
+        dimension_numbers=block_dimension_numbers(params, cfg.n_head, heads_per_block))

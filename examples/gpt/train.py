@@ -157,6 +157,10 @@ def _optimizer_flags(opt) -> None:
                      help="final fraction of the run with a linear lr decay, in [0, 1]")
     opt.add_argument("--final-lr-frac", type=float, default=0.05,
                      help="lr multiplier at the end of the warmdown, in [0, 1]")
+    opt.add_argument("--muon-blocks", default="none",
+                     help="Muon on blocks of the attention kernels: none (nanochat's rule, "
+                          "each kernel one matrix), heads (each head's block its own "
+                          "matrix), or groups:G (G heads per block, Group Muon)")
     opt.add_argument("--compare", choices=("adamw",), default=None,
                      help="also train the same model (same init, same data) with optax.adamw")
     opt.add_argument("--adamw-lr", type=float, default=DEFAULT_ADAMW_LR,
@@ -326,8 +330,28 @@ def _check_out(args: argparse.Namespace) -> None:
             raise UsageError(f"--resume: {ckpt} is a file, not a checkpoint directory")
 
 
+def heads_per_block(args: argparse.Namespace) -> int | None:
+    """``--muon-blocks`` as heads per Muon block: none -> None (nanochat's rule), heads
+    -> 1, groups:G -> G; a usage error for another spelling or a G that does not divide
+    the model's heads."""
+    spelling = args.muon_blocks
+    if spelling in ("none", "heads"):
+        return None if spelling == "none" else 1
+    name, _, group = spelling.partition(":")
+    if name != "groups" or not group.isdigit() or int(group) < 1:
+        raise UsageError(f"--muon-blocks must be none, heads or groups:G (G heads per "
+                         f"block, G >= 1), got {spelling!r}")
+    heads = model_width(args.depth, args.head_dim) // args.head_dim
+    if heads % int(group):
+        raise UsageError(f"--muon-blocks {spelling}: {group} heads per block do not divide "
+                         f"the model's {heads} heads (--depth {args.depth}, --head-dim "
+                         f"{args.head_dim})")
+    return int(group)
+
+
 def _check_args(args: argparse.Namespace) -> None:
     _check_numbers(args)
+    heads_per_block(args)
     _check_learning_rates(args)
     _check_devices(args)
     _check_out(args)
@@ -812,7 +836,7 @@ def _config_key(ctx: Context, name: str) -> dict:
     if name == "muon":
         key.update({k: getattr(a, k) for k in (
             "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay",
-            "lr_scale")})
+            "lr_scale", "muon_blocks")})
     else:
         key.update(adamw_lr=a.adamw_lr)
     return key
@@ -832,7 +856,7 @@ def _muon_tx(ctx: Context, params, owner_axis: bool):
         lr_scale=ctx.lr_scale, warmdown_frac=a.warmdown_frac, final_lr_frac=a.final_lr_frac,
         embedding_lr=a.embedding_lr, unembedding_lr=a.unembedding_lr,
         matrix_lr=a.matrix_lr, scalar_lr=a.scalar_lr, weight_decay=a.weight_decay,
-        axis_name="data" if sharded else None,
+        heads_per_block=heads_per_block(a), axis_name="data" if sharded else None,
         mesh=place.mesh if place.fsdp else None,
         param_specs=place.param_specs(params) if place.fsdp else None)
 

@@ -1,0 +1,55 @@
+"""Which axes of a parameter are Muon's matrix sides, and into how many blocks each is cut.
+
+:class:`MuonDimensionNumbers` is optax's ``optax.contrib.MuonDimensionNumbers`` (the
+input and output axes; every other axis is a batch axis) plus two block counts. Blocks
+are what per-head Muon (each attention head's slice of ``c_q`` its own matrix), Group
+Muon (a few heads per matrix), split fused weights (QKV into q, k, v; gate/up into
+gate and up) and per-head input blocks of an output projection need: after the axes
+map a leaf to ``rows x cols`` matrices, each matrix is cut into ``output_blocks`` equal
+runs of rows and ``reduction_blocks`` equal runs of columns, and every block is one
+Muon matrix (its own equilibration, polar factor, aspect-ratio factor and NorMuon
+statistics). Experts ``(E, in, out)`` need no blocks: ``E`` is a batch axis.
+
+A side of several axes (``(heads, head_dim)``) is flattened in the order the axes are
+given, and blocks are contiguous runs of it, so ``output_blocks=heads`` cuts at heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import optax.contrib
+
+
+class MuonDimensionNumbers(NamedTuple):
+    """Matrix axes of a Muon parameter, and how many blocks each side is cut into.
+
+    Attributes:
+      reduction_axis: the input axis (or axes) of ``x @ W``: the matrix's columns.
+      output_axis: the output axis (or axes): the matrix's rows. Other axes are batch
+        axes (layers, experts): each index is a matrix of its own.
+      reduction_blocks: blocks along the input side (e.g. ``heads`` for an attention
+        output projection ``(heads * head_dim, d)``: each head's rows of the kernel one
+        matrix).
+      output_blocks: blocks along the output side (``heads`` for per-head ``c_q``,
+        ``heads // group`` for Group Muon, ``3`` for a fused QKV, ``2`` for a fused
+        gate/up).
+
+    ``optax.contrib.MuonDimensionNumbers`` is accepted wherever this is, as one block.
+    """
+
+    reduction_axis: Sequence[int] | int = 0
+    output_axis: Sequence[int] | int = 1
+    reduction_blocks: int = 1
+    output_blocks: int = 1
+
+
+def is_dimension_numbers(x: Any) -> bool:
+    """Ours or optax's dimension numbers."""
+    return isinstance(x, (MuonDimensionNumbers, optax.contrib.MuonDimensionNumbers))
+
+
+def block_counts(dims: Any) -> tuple[int, int]:
+    """``(reduction_blocks, output_blocks)``; ``(1, 1)`` for optax's dimension numbers."""
+    return (getattr(dims, "reduction_blocks", 1), getattr(dims, "output_blocks", 1))
