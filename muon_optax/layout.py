@@ -86,28 +86,23 @@ class MatrixLeaf:
 
     def view(self, x: jax.Array) -> jax.Array:
         """The block view of a leaf-shaped array, or of one device's block of the leaf
-        laid out as :meth:`view_spec` allows."""
+        split on block boundaries (:meth:`view_spec`): each cut axis ``n`` becomes
+        ``(n / block size, block size)``."""
         if not self.splits:
             return x
         inner_of, shape = dict(self.splits), []
         for a, n in enumerate(x.shape):
-            if a not in inner_of:
-                shape.append(n)
-                continue
-            inner, split = inner_of[a], self.leaf_shape[a] // n
-            outer = self.leaf_shape[a] // inner
-            local_inner = inner if outer % split == 0 else inner // (split // outer)
-            shape += [n // local_inner, local_inner]
+            shape += [n // inner_of[a], inner_of[a]] if a in inner_of else [n]
         return x.reshape(shape)
 
     def view_spec(self, spec: tuple[tuple[str, ...], ...],
                   sizes: dict[str, int]) -> tuple[tuple[str, ...], ...]:
         """The leaf's layout (mesh axes per leaf axis) as a layout of its block view.
 
-        A cut axis split over ``g`` devices keeps whole blocks on each when ``g``
-        divides the block count (the split lies on block boundaries: the mesh axes go
-        to the block axis); when its first mesh axes count exactly the blocks, the rest
-        split each block. Raises ``NotImplementedError`` otherwise.
+        A cut axis split over ``g`` devices, ``g`` dividing its block count, holds whole
+        blocks on each device: the split goes to the block axis. Raises
+        ``NotImplementedError`` for a split that cuts blocks (the engine then gathers the
+        leaf whole first).
         """
         inner_of, out = dict(self.splits), []
         for a, entry in enumerate(spec):
@@ -115,16 +110,10 @@ class MatrixLeaf:
                 out.append(entry)
                 continue
             outer = self.leaf_shape[a] // inner_of[a]
-            if outer % math.prod(sizes[name] for name in entry) == 0:
-                out += [entry, ()]
-                continue
-            for i in range(1, len(entry) + 1):
-                if math.prod(sizes[name] for name in entry[:i]) == outer:
-                    out += [entry[:i], entry[i:]]
-                    break
-            else:
+            if outer % math.prod(sizes[name] for name in entry):
                 raise NotImplementedError(
-                    f"its axis {a} is split over {entry} across its {outer} blocks unevenly")
+                    f"its axis {a} is split over {entry}, which cuts its {outer} blocks")
+            out += [entry, ()]
         return tuple(out)
 
     @property
