@@ -58,28 +58,38 @@ LABEL_RULES = (
 )
 GROUP_NAMES = ("lm_head", "embed", "resid", "x0", "matrix")
 # --muon-blocks: which attention kernels are cut into head blocks, and on which side.
-_HEAD_OUTPUTS = r"^blocks/\d+/attn/(c_q|c_k|c_v)/kernel$"   # (d, heads * head_dim)
-_HEAD_INPUTS = r"^blocks/\d+/attn/c_proj/kernel$"           # (heads * head_dim, d)
+_HEAD_OUTPUTS = r"^blocks/\d+/attn/(c_q|c_k|c_v)/kernel"   # (d, heads * head_dim)
+_HEAD_INPUTS = r"^blocks/\d+/attn/c_proj/kernel"           # (heads * head_dim, d)
 
 
-def block_dimension_numbers(params, n_head: int, heads_per_block: int | None) -> Any:
-    """``dimension_numbers`` for ``--muon-blocks``: the attention projections' kernels
-    cut into blocks of ``heads_per_block`` heads each (``c_q``/``c_k``/``c_v`` on their
-    output side, ``c_proj`` on its input side), every block its own Muon matrix; the
-    MLP whole. None (nanochat's rule: every kernel one matrix) for None."""
+def block_axes(path: str, n_head: int, heads_per_block: int | None) -> dict[int, int]:
+    """``{axis: blocks}`` of the kernel at ``path`` under ``--muon-blocks``: the
+    attention projections cut into blocks of ``heads_per_block`` heads (``c_q``/``c_k``/
+    ``c_v`` on their output axis 1, ``c_proj`` on its input axis 0); ``{}`` elsewhere,
+    and everywhere for None (nanochat's rule: every kernel one matrix)."""
     if heads_per_block is None:
-        return None
+        return {}
     if n_head % heads_per_block:
         raise ValueError(f"{heads_per_block} heads per block do not divide the model's "
                          f"{n_head} heads")
     blocks = n_head // heads_per_block
-    outputs = muon_optax.MuonDimensionNumbers(0, 1, output_blocks=blocks)
-    inputs = muon_optax.MuonDimensionNumbers(0, 1, reduction_blocks=blocks)
+    if re.search(_HEAD_OUTPUTS, path):
+        return {1: blocks}
+    return {0: blocks} if re.search(_HEAD_INPUTS, path) else {}
+
+
+def block_dimension_numbers(params, n_head: int, heads_per_block: int | None) -> Any:
+    """``dimension_numbers`` for ``--muon-blocks`` (:func:`block_axes`): every block its
+    own Muon matrix. None for nanochat's rule."""
+    if heads_per_block is None:
+        return None
 
     def dims(path, _):
-        name = muon_optax.path_str(path)
-        return outputs if re.match(_HEAD_OUTPUTS, name) else (
-            inputs if re.match(_HEAD_INPUTS, name) else None)
+        axes = block_axes(muon_optax.path_str(path), n_head, heads_per_block)
+        if not axes:
+            return None
+        return muon_optax.MuonDimensionNumbers(0, 1, reduction_blocks=axes.get(0, 1),
+                                               output_blocks=axes.get(1, 1))
     return jax.tree_util.tree_map_with_path(dims, params)
 
 

@@ -32,15 +32,19 @@ from typing import Any, NamedTuple
 AXIS = "data"
 
 
-def fsdp_spec(shape: tuple[int, ...], n: int):
+def fsdp_spec(shape: tuple[int, ...], n: int, blocks: dict[int, int] | None = None):
     """FSDP's layout of one parameter over ``n`` devices: split along the first axis that
     ``n`` divides if it has two or more axes; replicated otherwise (vectors, scalars, and
-    a matrix no axis of which ``n`` divides)."""
+    a matrix no axis of which ``n`` divides). ``blocks`` (``{axis: Muon blocks}``, see
+    ``--muon-blocks``): an axis cut into blocks is split only where ``n`` divides its
+    block count, so that each device holds whole blocks (updated where they lie); a split
+    that cut blocks would have the optimizer gather the kernel whole."""
     from jax.sharding import PartitionSpec as P
 
+    blocks = blocks or {}
     if len(shape) >= 2:
         for axis, size in enumerate(shape):
-            if size % n == 0:
+            if size % n == 0 and blocks.get(axis, n) % n == 0:
                 return P(*([None] * axis), AXIS)
     return P()
 
@@ -59,12 +63,14 @@ class Layout:
     whole batch, with ``--distributed`` the rows of its devices.
     """
 
-    def __init__(self, mesh, fsdp: bool = False):
+    def __init__(self, mesh, fsdp: bool = False,
+                 blocks_of: Callable[[str], dict[int, int]] | None = None):
         import jax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
         self.mesh, self.fsdp = mesh, fsdp
+        self.blocks_of = blocks_of or (lambda path: {})   # a param path -> its Muon blocks
         if mesh is None:
             if fsdp:
                 raise ValueError("FSDP needs a mesh")
@@ -99,8 +105,15 @@ class Layout:
         import jax
         from jax.sharding import PartitionSpec as P
 
+        import muon_optax
+
         n = self.num_devices
-        return jax.tree.map(lambda x: P() if n == 1 else fsdp_spec(tuple(x.shape), n), tree)
+
+        def spec(path, x):
+            if n == 1:
+                return P()
+            return fsdp_spec(tuple(x.shape), n, self.blocks_of(muon_optax.path_str(path)))
+        return jax.tree_util.tree_map_with_path(spec, tree)
 
     def param_specs(self, params):
         """The params' PartitionSpecs: FSDP's split, or replicated."""

@@ -540,7 +540,11 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     _check_size(args, devices)
     cfg, graphdef, abstract_params, rest = _abstract_model(args, dtype)
-    place = Layout(mesh, fsdp=args.fsdp)
+    from optim_setup import block_axes
+
+    blocks = heads_per_block(args)
+    place = Layout(mesh, fsdp=args.fsdp,
+                   blocks_of=lambda path: block_axes(path, cfg.n_head, blocks))
     warmup = args.warmup_steps
     if warmup is None:
         warmup = min(40, max(1, args.steps // 10))
