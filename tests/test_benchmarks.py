@@ -103,7 +103,7 @@ def test_balance_rows_match_the_known_cases():
     assert max(d20["flops_ours"], d20["state_ours"]) <= 1.05
 
 
-SCRIPTS = ("step_time.py", "sharded.py")
+SCRIPTS = ("step_time.py", "sharded.py", "blocks.py")
 
 
 def _check_results(tmp_path):
@@ -126,10 +126,18 @@ def _check_results(tmp_path):
         step = json.load(f)
     assert "contrib_muon/optax_contrib" in step["ratios"]
     assert step["checks"]["contrib_muon vs optax_contrib"]["max_rel"] < 1e-4
+    with open(tmp_path / "blocks.py") as f:
+        blocks = json.load(f)
+    (one,) = blocks["one_device"]
+    assert one["rows"]["heads"]["muon"]["attn"] < one["rows"]["whole"]["muon"]["attn"] / 4
+    assert all(row["finite"] for row in one["rows"].values())
+    (parallel,) = blocks["head_parallel"]
+    assert parallel["rows"]["heads"]["transports"] == ["local"]
+    assert parallel["rows"]["heads"]["sent"] == 0 < parallel["rows"]["whole"]["sent"]
 
 
 def test_each_script_quick_mode_runs(tmp_path):
-    """Each kept script's --quick run, both at once (each compiles on about one core)."""
+    """Each kept script's --quick run, all at once (each compiles on about one core)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("XLA_FLAGS", None)  # as from a shell: sharded.py sets its own device count
     runs = {script: subprocess.Popen(
