@@ -386,3 +386,18 @@ def test_optax_dimension_numbers_are_one_block():
     a, _ = ours.update(g, ours.init(params), params)
     b, _ = theirs.update(g, theirs.init(params), params)
     np.testing.assert_array_equal(np.asarray(a["w"]), np.asarray(b["w"]))
+
+
+def test_contrib_muon_takes_blocks_too():
+    """optax.contrib.muon's rule (contrib_muon) on blocks: the rule on the reshaped leaf."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((W, W)).astype(np.float32)
+    g = rng.standard_normal((W, W)).astype(np.float32)
+    tx = muon_optax.contrib_muon(0.02, muon_weight_dimension_numbers={
+        "w": D(0, 1, output_blocks=H)})
+    ref = muon_optax.contrib_muon(0.02, muon_weight_dimension_numbers={"w": D(0, 2)})
+    got, _ = tx.update({"w": g}, tx.init({"w": w}), {"w": w})
+    r = {"w": w.reshape(W, H, HD)}
+    want, _ = ref.update({"w": g.reshape(W, H, HD)}, ref.init(r), r)
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]).reshape(W, W),
+                               rtol=1e-6, atol=1e-7)
