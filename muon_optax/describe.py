@@ -44,7 +44,7 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
             start += m.batch
             rows[m.index].update(
                 group=m.group, kind="muon", matrices=m.batch, matrix=(m.rows, m.cols),
-                blocks=(m.blocks[1], m.blocks[0]),
+                blocks=m.blocks,
                 stored=(sp.stack.rows, sp.stack.cols, "transposed" if m.transposed else ""),
                 stack=k, transport=sp.transport, owners=owners)
     if file is not None:

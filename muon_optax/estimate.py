@@ -117,7 +117,7 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
                         transport=sp.transport, slots=sp.num_slots,
                         flops_per_matrix=executed_flops(sp.stack),
                         members=[dict(path=m.path, matrices=m.batch,
-                                      blocks=(m.blocks[1], m.blocks[0]))
+                                      blocks=m.blocks)
                                  for m in sp.stack.members])
                    for sp in plan.owner.stacks],
     }

@@ -82,7 +82,7 @@ class MatrixLeaf:
     cols: int
     leaf_shape: tuple[int, ...]
     splits: tuple[tuple[int, int], ...]   # (leaf axis, block size along it)
-    blocks: tuple[int, int]               # (reduction_blocks, output_blocks)
+    blocks: tuple[int, int]               # (output_blocks, reduction_blocks): out x in
 
     def view(self, x: jax.Array) -> jax.Array:
         """The block view of a leaf-shaped array, or of one device's block of the leaf
@@ -259,7 +259,7 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
                       out_axes=out_v, in_axes=red_v, batch=size(batch_axes),
                       rows=size(out_v), cols=size(red_v), leaf_shape=shape,
                       splits=tuple((a, shape[a] // split[a]) for a in sorted(split)),
-                      blocks=(int(red_blocks), int(out_blocks)))
+                      blocks=(int(out_blocks), int(red_blocks)))
 
 
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
