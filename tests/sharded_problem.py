@@ -226,3 +226,9 @@ def tiny_lm():
                            weight_decay=0.1, compute_dtype=jnp.float32)}
     labels = muon_optax.label_by_path([("embed", "adamw")])
     return params, groups, labels
+
+
+def tiny_lm_loss(params, tokens):
+    """:func:`tiny_lm`'s loss: embed, a residual MLP, reconstruct the embedding."""
+    h = params["embed"][tokens] * params["gain"]
+    return jnp.mean((jax.nn.relu(h @ params["w1"]) @ params["w2"] - h) ** 2)

@@ -402,3 +402,100 @@ def test_contrib_muon_takes_blocks_too():
     want, _ = ref.update({"w": g.reshape(W, H, HD)}, ref.init(r), r)
     np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]).reshape(W, W),
                                rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ as the README calls it
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_zero2_with_jax_grad_inside_shard_map_equals_one_device():
+    """The README's ZeRO-2 recipe with per-head blocks (w1 on its output side, w2 on its
+    input side): each device's jax.grad at pcast(params), tx.update inside shard_map; the
+    steps equal one device's on the global batch."""
+    n = 8
+    params, groups, labels = sp.tiny_lm()
+    dims = {"embed": None, "gain": None, "w1": D(0, 1, output_blocks=4),
+            "w2": D(0, 1, reduction_blocks=4)}
+    mesh = sp.make_mesh((n,))
+    tx = muon_optax.muon_adamw(groups, labels, dimension_numbers=dims, axis_name="data")
+    single = muon_optax.muon_adamw(groups, labels, dimension_numbers=dims)
+    specs = muon_optax.state_specs(tx, params, mesh)
+
+    def train_step(params, state, tokens):
+        grads = jax.grad(sp.tiny_lm_loss)(jax.lax.pcast(params, "data", to="varying"), tokens)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    @jax.jit
+    def step1(params, state, tokens):
+        updates, state = single.update(jax.grad(sp.tiny_lm_loss)(params, tokens), state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    p, p1, state1, got, want = params, params, single.init(params), [], []
+    for s in range(STEPS):
+        tokens = jax.random.randint(jax.random.PRNGKey(s), (4 * n, 8), 0, 64)
+        p, state = step(p, state, tokens)
+        p1, state1 = step1(p1, state1, tokens)
+        got.append(p)
+        want.append(p1)
+    assert_same_steps(got, want, params, tol=1e-5)
+
+
+def _attention_dims(heads: int, blocked: bool):
+    """Per-head blocks of nnx.MultiHeadAttention's kernels, or (the reference) their
+    heads axis as a batch axis."""
+    def dims(path, _):
+        name = muon_optax.path_str(path)
+        if any(f"{k}/kernel" in name for k in ("query", "key", "value")):
+            return D(0, (1, 2), output_blocks=heads) if blocked else D(0, 2)
+        if "out/kernel" in name:
+            return D((0, 1), 2, reduction_blocks=heads) if blocked else D(1, 2)
+        return None
+    return lambda params: jax.tree_util.tree_map_with_path(dims, params)
+
+
+def _nnx_run(g, nnx, blocked: bool, mesh=None):
+    """Flax's standard modules through nnx.Optimizer, 3 steps: ``(params, model,
+    optimizer, tx)``."""
+    model = g.GPT(nnx.Rngs(0))
+    kw = {} if mesh is None else dict(axis_name="data", mesh=mesh)
+    if mesh is not None:
+        g.place(model, mesh)
+    tx = g.make_tx(dimension_numbers=_attention_dims(g.HEADS, blocked), **kw)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for s in range(STEPS):
+        g.train_step(model, opt, g.tokens(seed=s % 2))
+    return _by_path(nnx, model), model, opt, tx
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_nnx_optimizer_with_head_blocks_on_one_device_and_an_auto_mesh():
+    """Per-head blocks of Flax's attention kernels through nnx.Optimizer: on one device
+    the steps of the heads-as-batch reference; on an Auto mesh with FSDP-placed params
+    (learned by the eager init) two all-to-alls and the one-device steps."""
+    pytest.importorskip("flax")
+    import nnx_gpt as g
+    from flax import nnx
+
+    start = _by_path(nnx, g.GPT(nnx.Rngs(0)))
+    got = _nnx_run(g, nnx, blocked=True)[0]
+    want = _nnx_run(g, nnx, blocked=False)[0]
+    assert_same_steps([got], [want], start)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        sharded, model, opt, tx = _nnx_run(g, nnx, blocked=True, mesh=mesh)
+        ops = g.optimizer_collectives(tx, opt, model, 8)
+    assert set(ops) == {"all-to-all"} and ops["all-to-all"]["count"] == 2, ops
+    assert_same_steps([sharded], [got], start, tol=1e-5)
+
+
+def _by_path(nnx, model) -> dict:
+    """The model's params as NumPy, by path, without the attention's key biases: softmax
+    does not see them, so their gradient is rounding noise that Adam scales up to full
+    steps."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.as_pure(nnx.state(model, nnx.Param)))[0]
+    return {muon_optax.path_str(p): np.asarray(x) for p, x in flat
+            if not muon_optax.path_str(p).endswith("key/bias")}

@@ -370,11 +370,6 @@ def test_mesh_mode_under_plain_jit_matches_single_device_and_shards_state():
 
 
 
-def _loss(params, tokens):
-    h = params["embed"][tokens] * params["gain"]
-    return jnp.mean((jax.nn.relu(h @ params["w1"]) @ params["w2"] - h) ** 2)
-
-
 def test_grads_inside_shard_map_match_one_device_on_the_global_batch():
     """The README's recipe, end to end: each device's jax.grad at pcast(params) goes to
     tx.update; the step equals one device on the whole batch, and the compiled step
@@ -386,7 +381,7 @@ def test_grads_inside_shard_map_match_one_device_on_the_global_batch():
     specs = muon_optax.state_specs(tx, params, mesh)
 
     def train_step(params, state, tokens):
-        grads = jax.grad(_loss)(jax.lax.pcast(params, "data", to="varying"), tokens)
+        grads = jax.grad(sp.tiny_lm_loss)(jax.lax.pcast(params, "data", to="varying"), tokens)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
@@ -398,7 +393,7 @@ def test_grads_inside_shard_map_match_one_device_on_the_global_batch():
 
     @jax.jit
     def step1(params, state, tokens):
-        updates, state = single.update(jax.grad(_loss)(params, tokens), state, params)
+        updates, state = single.update(jax.grad(sp.tiny_lm_loss)(params, tokens), state, params)
         return optax.apply_updates(params, updates), state
 
     for s in range(3):
@@ -428,7 +423,7 @@ def test_reduced_gradients_are_refused_inside_shard_map():
     specs = muon_optax.state_specs(tx, params, mesh)
 
     def train_step(params, state, tokens):
-        grads = jax.grad(_loss)(params, tokens)       # summed over "data": invariant
+        grads = jax.grad(sp.tiny_lm_loss)(params, tokens)       # summed over "data": invariant
         return tx.update(grads, state, params)
 
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
