@@ -230,6 +230,31 @@ def exact_optimum(k1: int, c1: int, k2: int, c2: int, n: int) -> int:
     return loads[lo]
 
 
+def stack_costs(tx: optax.GradientTransformation, params: Any,
+                n: int) -> list[tuple[tuple[int, int], int, int, int]]:
+    """Per stack of ``tx``'s plan for ``n`` devices, the costliest first: its stored shape
+    (sorted), matrix count, and one matrix's FLOPs and state elements (momentum + NorMuon
+    moment), as the owner plan counts them (``muon_optax.plan.matrix_flops``)."""
+    from muon_optax.plan import matrix_flops
+
+    stacks = tx.init.plan(params, n).owner.stacks
+    return sorted(((tuple(sorted((sp.stack.rows, sp.stack.cols))), sp.stack.size,
+                    matrix_flops(sp.stack), sp.stack.rows * sp.stack.cols + sp.second_size)
+                   for sp in stacks), key=lambda c: -c[2])
+
+
+def busiest_over_optimum(tx: optax.GradientTransformation, params: Any,
+                         n: int) -> tuple[float, float]:
+    """The busiest device's Muon FLOPs and Muon state (``muon_optax.estimate``) over the
+    exact optimum of each (:func:`exact_optimum`), for params all on Muon in two stacks."""
+    (_, k1, f1, s1), (_, k2, f2, s2) = stack_costs(tx, params, n)
+    est = muon_optax.estimate(tx, params, n)
+    itemsize = np.dtype(jax.tree.leaves(params)[0].dtype).itemsize
+    state = (max(est["state_bytes"]) - 4) / itemsize          # 4: the step count
+    return (max(est["muon_flops"]) / exact_optimum(k1, f1, k2, f2, n),
+            state / exact_optimum(k1, s1, k2, s2, n))
+
+
 # ----------------------------------------------------------------------------- timing
 
 def time_interleaved(calls: Mapping[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:

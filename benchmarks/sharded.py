@@ -81,7 +81,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import muon_optax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import MB, fmt, md_table  # noqa: E402
-from muon_optax.plan import matrix_flops  # noqa: E402
 
 BASE = "optax_contrib_fsdp"
 TARGETS = dict(ring=1 / 20, flops=0.8, temp=0.5, time=0.7, resident=1.1)
@@ -371,14 +370,11 @@ def balance(depth: int, n: int) -> dict[str, float]:
     groups = {"matrix": common.nanochat_groups(64 * depth)["matrix"]}
     tx = muon_optax.muon_adamw(groups, lambda p: jax.tree.map(lambda _: "matrix", p),
                                axis_name="data")
-    est = muon_optax.estimate(tx, params, n)
-    stacks = tx.init.plan(params, n).owner.stacks
     # Per matrix of each stack: (K, FLOPs, state elements: momentum + NorMuon moment).
-    cost = {tuple(sorted((sp.stack.rows, sp.stack.cols))): (
-        sp.stack.size, matrix_flops(sp.stack), sp.stack.rows * sp.stack.cols + sp.second_size)
-        for sp in stacks}
-    (k1, f1, s1), (k2, f2, s2) = sorted(cost.values(), reverse=True)
+    cost = {shape: (k, f, s) for shape, k, f, s in common.stack_costs(tx, params, n)}
+    (k1, f1, s1), (k2, f2, s2) = cost.values()
     best = (common.exact_optimum(k1, f1, k2, f2, n), common.exact_optimum(k1, s1, k2, s2, n))
+    ours = common.busiest_over_optimum(tx, params, n)     # already over the optimum
     # nanochat: a group per PyTorch (out, in) shape, each device ceil(K/N) of every group.
     torch_shapes: dict[tuple[int, ...], int] = {}
     for x in jax.tree.leaves(params):
@@ -388,11 +384,12 @@ def balance(depth: int, n: int) -> dict[str, float]:
     def busiest(parts, i):
         return sum(-(-k // n) * c[i - 1] for k, *c in parts)
 
-    itemsize = 4   # float32 state
-    ours = (max(est["muon_flops"]), (max(est["state_bytes"]) - 4) / itemsize)  # 4: count
-    return {f"{kind}_{who}": value / best[i] for i, kind in enumerate(("flops", "state"))
-            for who, value in (("ours", ours[i]), ("per_stack", busiest(cost.values(), i + 1)),
-                               ("nanochat", busiest(chunked, i + 1)))}
+    out = {}
+    for i, kind in enumerate(("flops", "state")):
+        out[f"{kind}_ours"] = ours[i]
+        out[f"{kind}_per_stack"] = busiest(cost.values(), i + 1) / best[i]
+        out[f"{kind}_nanochat"] = busiest(chunked, i + 1) / best[i]
+    return out
 
 
 def balance_tables(args) -> list[dict[str, Any]]:
