@@ -241,10 +241,11 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
             _adamw_local_shape(a, n) if per_device else a.padded)
         mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
         nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
+    # One dimension: a device's share is a 1-D run of its matrices (see MuonBuffers).
     rows = 1 if per_device else n
-    muon = tuple(MuonBuffers(jax.ShapeDtypeStruct((rows, plan.owner.momentum[key].length),
+    muon = tuple(MuonBuffers(jax.ShapeDtypeStruct((rows * plan.owner.momentum[key].length,),
                                                   key[1]),
-                             jax.ShapeDtypeStruct((rows, plan.owner.second[key].length),
+                             jax.ShapeDtypeStruct((rows * plan.owner.second[key].length,),
                                                   key[0]))
                  for key in plan.state_keys)
     count = jax.ShapeDtypeStruct((), jnp.int32)

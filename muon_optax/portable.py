@@ -131,7 +131,7 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
         momentum = kind == "momentum"
         channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
         size = st.rows * st.cols if momentum else sp.second_size
-        buf = bufs[key][0 if momentum else 1]
+        buf = bufs[key][0 if momentum else 1].reshape(plan.num_devices, -1)
         for m, stored in zip(st.members, member_rows(buf, channel, k, sp, size)):
             if momentum:
                 out[m.index] = m.from_stored(stored.reshape(m.batch, st.rows, st.cols)
@@ -178,24 +178,43 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
 
 
 def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
-    """The device count a ZeRO-2 state was made for: the rows of its Muon buffers, else
-    the owner axes' size in the mesh its arrays lie on; else (a state of AdamW leaves
-    under jit) one device if that fits (the per-parameter form is then the same for
-    any count), or a clear error."""
-    if state.muon:
-        return state.muon[0].momentum.shape[0]
+    """The device count a ZeRO-2 state was made for: the owner axes' size in the mesh its
+    arrays lie on; else the count whose plan gives its Muon buffers their sizes; else (a
+    state of AdamW leaves under jit) one device if that fits (the per-parameter form is
+    then the same for any count), or a clear error."""
     axes = tx.init.options.axes
     for x in jax.tree.leaves(state):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
         if isinstance(x, jax.Array) and mesh is not None and not isinstance(x, jax.core.Tracer) \
                 and all(a in mesh.shape for a in axes):
             return int(np.prod([mesh.shape[a] for a in axes]))
+    if state.muon:
+        return _devices_of_buffers(tx, state, params)
     try:
         _check(_plan(tx, params, 1, "export_state"), state, params, "export_state", _skips(tx))
     except ValueError as e:
         raise ValueError("export_state: this state's device count cannot be read from it "
                          "(no Muon leaves, traced arrays): pass num_devices=.") from e
     return 1
+
+
+def _devices_of_buffers(tx: Any, state: MuonAdamWState, params: Any,
+                        most: int = 4096) -> int:
+    """The device count ``N`` whose plan lays out Muon buffers of exactly these sizes
+    (each ``N * L``): the smallest that fits, trying the divisors of the first size."""
+    sizes = [int(np.size(x)) for b in state.muon for x in b]
+    for n in range(1, min(most, sizes[0]) + 1):
+        if sizes[0] % n:
+            continue
+        plan = _plan(tx, params, n, "export_state")
+        want = [n * c[key].length for key in plan.state_keys
+                for c in (plan.owner.momentum, plan.owner.second)]
+        if want == sizes:
+            return n
+    raise ValueError("export_state: no device count up to "
+                     f"{most} lays out Muon buffers of sizes {sizes} for these params: the "
+                     "state was made for other params or another optimizer; pass "
+                     "num_devices= if it is right.")
 
 
 def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any]:
@@ -232,7 +251,7 @@ def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -
 
 def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
                  kind: str) -> jax.Array:
-    """The device-major ``(N, L)`` buffer of one state key from leaf-shaped arrays."""
+    """The device-major ``(N * L,)`` buffer of one state key from leaf-shaped arrays."""
     momentum = kind == "momentum"
     channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
     dt = key[1] if momentum else key[0]
@@ -258,7 +277,7 @@ def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
         used = sum(x.shape[0] for x in r)
         r = r + [jnp.zeros(channel.length - used, dt)] if channel.length > used else r
         out.append(jnp.concatenate(r) if r else jnp.zeros(0, dt))
-    return jnp.stack(out)
+    return jnp.stack(out).reshape(-1)
 
 
 def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], params: Any,

@@ -37,8 +37,8 @@ def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
 
 def _slice(buf: jax.Array, start, size: int) -> jax.Array:
     if isinstance(start, int):
-        return buf[:, start:start + size]
-    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=1)
+        return buf[start:start + size]
+    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=0)
 
 
 def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
@@ -56,8 +56,8 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     ``ready`` or ``x``, so waiting for ``ready`` lets XLA update the buffer without
     copying it.
     """
-    x = after(x, ready).reshape(1, -1).astype(buf.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=1)
+    x = after(x, ready).reshape(-1).astype(buf.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
 def _owned_slot(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
@@ -84,7 +84,7 @@ def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, coun
     goes into its buffer as soon as ``U`` is formed, before the polar iteration starts."""
     n, at = sp.base, _state_at(k, sp, plan, comm, 0)
     g, state = moves.load(k, 0, n, prev), _read_state(bufs, at, n, sp)
-    whole = isinstance(at[0], int) and at[0] == 0 and bufs.momentum.shape[1] == g.size
+    whole = isinstance(at[0], int) and at[0] == 0 and bufs.momentum.shape[0] == g.size
     if whole:
         # The stack's momentum is a buffer of its own (one device): the kernel updates it
         # in the buffer's flat layout, in place. In the stack's layout XLA would compute
@@ -153,7 +153,7 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
     """Muon leaves, their gradients read through ``moves``: fills ``updates``; returns
     the new state buffers. The collectives of a channel carry every stack's matrices at
     once."""
-    bufs = dict(zip(plan.state_keys, state.muon))   # each (1, L): updated in place
+    bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
     prev, duals = None, {}
     for k, sp in enumerate(plan.owner.stacks):
         key = sp.state_key
