@@ -246,6 +246,11 @@ def _polynomial(gram: jax.Array, a: float, b: float, c: float) -> jax.Array:
     return m.astype(gram.dtype)
 
 
+# Tests set this to write the loops out (the polar steps, CPU's matrices), so that XLA's
+# cost analysis, which counts a loop's body once, sees all the work it measures.
+UNROLL_STEPS = False
+
+
 def _direct_step(x: jax.Array, a, b, c) -> jax.Array:
     """One Polar Express step as the rule writes it, on the short side's Gram matrix.
 
@@ -267,8 +272,10 @@ def _direct_steps(x: jax.Array, coeffs) -> jax.Array:
     (BENCHMARKS.md, "The TPU compiler"). The coefficients are float32 scalars read from
     the table, the values a Python float would give.
     """
-    if len(coeffs) == 1:
-        return _direct_step(x, *coeffs[0])
+    if len(coeffs) == 1 or UNROLL_STEPS:
+        for abc in coeffs:
+            x = _direct_step(x, *abc)
+        return x
     table = jnp.asarray(np.asarray(coeffs, np.float32))
 
     def step(x, abc):
@@ -431,7 +438,12 @@ def polar_express_stack(x: jax.Array, ns_steps: int = 5, method: str = "direct",
 
     if x.shape[0] <= 1:
         return batched(x)
-    return per_platform(x, lambda y: jax.lax.map(batched, y), batched)
+    def one_by_one(y):
+        if UNROLL_STEPS:
+            return jnp.concatenate([batched(y[i:i + 1]) for i in range(y.shape[0])])
+        return jax.lax.map(batched, y)
+
+    return per_platform(x, one_by_one, batched)
 
 
 def orthogonalize(
