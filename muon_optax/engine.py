@@ -241,16 +241,27 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
             _adamw_local_shape(a, n) if per_device else a.padded)
         mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
         nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
-    # One dimension: a device's share is a 1-D run of its matrices (see MuonBuffers).
-    rows = 1 if per_device else n
-    muon = tuple(MuonBuffers(jax.ShapeDtypeStruct((rows * plan.owner.momentum[key].length,),
-                                                  key[1]),
-                             jax.ShapeDtypeStruct((rows * plan.owner.second[key].length,),
-                                                  key[0]))
-                 for key in plan.state_keys)
+    muon = tuple(MuonBuffers(*(jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(
+        buffer_shapes(plan, key, per_device), (key[1], key[0])))) for key in plan.state_keys)
     count = jax.ShapeDtypeStruct((), jnp.int32)
     return MuonAdamWState(count, plan.treedef.unflatten(mu), plan.treedef.unflatten(nu),
                           muon, count if skipped else None)
+
+
+def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
+    """The shapes of one state key's momentum and second-moment buffers.
+
+    One device: the stack's own layout, ``(K, R, C)`` and ``(K, *second_shape)``, so that
+    the kernel reads and writes its chunks without a relayout. Owner axes: one dimension,
+    a device's share a 1-D run of its matrices (see :class:`MuonBuffers`).
+    """
+    if not plan.axes:
+        (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
+        st = sp.stack
+        return (st.size, st.rows, st.cols), (st.size,) + sp.second_shape
+    rows = 1 if per_device else plan.num_devices
+    return ((rows * plan.owner.momentum[key].length,),
+            (rows * plan.owner.second[key].length,))
 
 
 def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],

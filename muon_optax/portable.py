@@ -320,9 +320,11 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
         nu[a.index] = pad_to(jnp.asarray(given_nu[a.index], want_nu[a.index].dtype), pad)
     momentum = dict(enumerate(plan.treedef.flatten_up_to(portable["momentum"])))
     second = dict(enumerate(plan.treedef.flatten_up_to(portable["second_moment"])))
-    muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum"),
-                             _flat_buffer(plan, key, second, "second"))
-                 for key in plan.state_keys)
+    muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum").reshape(
+                                 w.momentum.shape),
+                             _flat_buffer(plan, key, second, "second").reshape(
+                                 w.second_moment.shape))
+                 for key, w in zip(plan.state_keys, want.muon))
     skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
                           plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips)

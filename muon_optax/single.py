@@ -7,9 +7,9 @@ which take the cautious update in their own layout. Nothing here knows about dev
 the sharded engine (:mod:`muon_optax.stacks`) adds ownership and transport around the
 same kernel and the same per-leaf finish.
 
-The state of a stack is a pair of flat buffers of its own (:class:`MuonBuffers`, one
-row), not one array per leaf: the kernel updates the momentum in the buffer's layout,
-so XLA rewrites it in place. Kept per leaf (optax's layout, mirroring the params), the
+The state of a stack is a pair of buffers of its own in the stack's layout
+(:class:`MuonBuffers`, ``(K, R, C)``), not one array per leaf: the kernel updates each
+chunk's rows in place. Kept per leaf (optax's layout, mirroring the params), the
 momentum is stacked into a copy each step: benchmarks/state_layout.py measured the
 same kernel both ways on d256x4 (2 CPU cores) at a per-rep median of 1.017x the
 Muon phase's time and 20.0 MiB of temporaries against 16.0 MiB. The buffers stay: the
@@ -113,24 +113,21 @@ def _pieces(st: Stack, lo: int, hi: int) -> list[tuple[int, int, int]]:
 
 def _chunk_step(sp: StackPlan, bufs: MuonBuffers, g: jax.Array, lo: int, hi: int, hps,
                 count):
-    """Slots ``lo .. hi-1`` of one stack: the kernel on their rows of the state buffers,
-    written back in place. The momentum goes in in the buffer's flat layout (the kernel
-    updates it there); the new rows overwrite the old ones once read."""
-    st, rc = sp.stack, sp.stack.rows * sp.stack.cols
-    n, whole = hi - lo, (lo, hi) == (0, st.size)
-    momentum = bufs.momentum if whole else bufs.momentum[lo * rc:hi * rc]
-    second = bufs.second_moment[lo * sp.second_size:hi * sp.second_size]
+    """Slots ``lo .. hi-1`` of one stack: the kernel on their matrices of the stack's
+    state buffers (in the stack's layout), written back in place once read."""
+    st, whole = sp.stack, (lo, hi) == (0, sp.stack.size)
+    state = MuonStackState(bufs.momentum, bufs.second_moment)
+    if not whole:
+        state = MuonStackState(bufs.momentum[lo:hi], bufs.second_moment[lo:hi])
     hp = matrix_hparams(st, hps, np.arange(lo, hi)[None], lambda t: np.asarray(t)[0])
-    o, state, d = muon_step(g, MuonStackState(momentum, second.reshape((n,) + sp.second_shape)),
-                            hp, st.config, count, st.dtype)
+    o, state, d = muon_step(g, state, hp, st.config, count, st.dtype)
     # The second moment is written once O is computed: the old one is dead by then.
-    new_second = after(state.second_moment.reshape(-1), o)
+    new_second = after(state.second_moment, o)
     if whole:
         return o, MuonBuffers(state.momentum, new_second), d
     return o, MuonBuffers(
-        jax.lax.dynamic_update_slice_in_dim(bufs.momentum, state.momentum, lo * rc, axis=0),
-        jax.lax.dynamic_update_slice_in_dim(bufs.second_moment, new_second,
-                                            lo * sp.second_size, axis=0)), d
+        jax.lax.dynamic_update_slice_in_dim(bufs.momentum, state.momentum, lo, axis=0),
+        jax.lax.dynamic_update_slice_in_dim(bufs.second_moment, new_second, lo, axis=0)), d
 
 
 def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_leaves,
