@@ -150,10 +150,10 @@ def build(contender: str, params: Any, devices: list[Any]):
     groups, labels = common.nanochat_groups(d), common.nanochat_labels(params)
     if contender in ("heads_tp", "optax_tp"):
         mesh = Mesh(np.array(devices).reshape(n // TP, TP), ("data", "model"),
-                    axis_types=(AxisType.Explicit,) * 2)
+                    axis_types=(AxisType.Auto,) * 2)
         specs = _tp_specs(params)
     else:
-        mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Explicit,))
+        mesh = Mesh(np.array(devices), ("data",), axis_types=(AxisType.Auto,))
         fsdp = contender in ("fsdp", "optax_fsdp", "adamw_fsdp")
         specs = jax.tree.map(lambda x: common.fsdp_spec(x.shape, n) if fsdp else P(), params)
     p_abs = _abstract(params, specs, mesh)
@@ -196,8 +196,8 @@ def build(contender: str, params: Any, devices: list[Any]):
     elif contender in ("mesh_1", "fsdp", "heads_tp"):
         if contender == "heads_tp":
             dims = _head_dims(params, d // 128 if d >= 512 else d // 64)
-        axes = ("data", "model") if contender == "heads_tp" else "data"
-        tx = muon_optax.muon_adamw(groups, labels, axis_name=axes, mesh=mesh,
+        axis = "model" if contender == "heads_tp" else "data"   # heads: owners over "model"
+        tx = muon_optax.muon_adamw(groups, labels, axis_name=axis, mesh=mesh,
                                    param_specs=specs, dimension_numbers=dims)
     elif contender.startswith("optax"):
         tx = common.optax_contrib_muon(params)
@@ -316,7 +316,8 @@ def compile_one(contender: str, set_name: str, topology: str, vocab: int) -> dic
             d = params["wte"]["embedding"].shape[1]
             tx = muon_optax.muon_adamw(common.nanochat_groups(d), common.nanochat_labels(params),
                                        axis_name="data")
-        est = muon_optax.estimate(tx, params, len(devices), param_specs=specs)
+        owners = TP if contender == "heads_tp" else len(devices)
+        est = muon_optax.estimate(tx, params, owners, param_specs=specs)
         row["flops_estimate"] = float(est["program_flops"])
     return row
 
