@@ -149,8 +149,13 @@ def _check_mesh(x: Any, opts: Options, path: str) -> None:
 
 
 def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...]) -> TreePlan:
-    return make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
+    plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
                           axes, leaf_specs(opts, params), opts.threshold, opts.name)
+    # One device runs the plain path (muon_optax.single), also under mesh= (whose
+    # gradients are already reduced). ZeRO-2 on a one-device axis keeps the sharded
+    # path: its collectives make the per-device gradients replicated.
+    one = plan.num_devices == 1 and (opts.axes is None or opts.mesh is not None)
+    return dataclasses.replace(plan, per_stack_state=one)
 
 
 def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
@@ -251,11 +256,12 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
 def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
     """The shapes of one state key's momentum and second-moment buffers.
 
-    One device: the stack's own layout, ``(K, R, C)`` and ``(K, *second_shape)``, so that
-    the kernel reads and writes its chunks without a relayout. Owner axes: one dimension,
-    a device's share a 1-D run of its matrices (see :class:`MuonBuffers`).
+    One device (``plan.per_stack_state``): the stack's own layout, ``(K, R, C)`` and
+    ``(K, *second_shape)``, so that the kernel reads and writes its chunks without a
+    relayout. Owners: one dimension, a device's share a 1-D run of its matrices (see
+    :class:`MuonBuffers`).
     """
-    if not plan.axes:
+    if plan.per_stack_state:
         (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
         st = sp.stack
         return (st.size, st.rows, st.cols), (st.size,) + sp.second_shape
@@ -389,7 +395,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
     adamw_grads = _adamw_grads(plan, comm, g_leaves, p_leaves)
     g_view, p_view = _block_views(plan, g_leaves), _block_views(plan, p_leaves)
-    moves = Transports(plan.owner, g_view, comm) if comm.active else None
+    sharded = comm.active and not plan.per_stack_state
+    moves = Transports(plan.owner, g_view, comm) if sharded else None
     if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
         stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if moves
                  else global_stats(g_leaves, opts.max_grad_norm, opts.skip_nonfinite))

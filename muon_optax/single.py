@@ -74,10 +74,11 @@ def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
 
 
 def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict,
-                  scales: dict, p_leaves, updates: list) -> None:
-    """Steps 8-9 per Muon leaf, in its own layout: ``adaptive``'s ``<U, O>`` (summed over
-    the leaf, ``scales``) and the cautious update, into ``updates``."""
-    for m in plan.muon:
+                  scales: dict, p_leaves, updates: list, only=None) -> None:
+    """Steps 8-9 per Muon leaf (``only`` these, else all), in its own layout:
+    ``adaptive``'s ``<U, O>`` (summed over the leaf, ``scales``) and the cautious update,
+    into ``updates``."""
+    for m in plan.muon if only is None else only:
         hp, o = hps[m.group], directions[m.index]
         if m.index in scales:
             o = o.astype(jnp.float32) * scales[m.index]
@@ -137,31 +138,35 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
     (one pair per stack). ``scale``: ``max_grad_norm``'s factor, or None.
 
     Each stack runs in chunks of at most :func:`chunk_bytes` (its matrices batched), one
-    after another: each chunk's stacking copy waits for the previous chunk's direction,
-    so one chunk's temporaries are alive at a time, and the compiled program holds one
+    after another, and a leaf takes its update as soon as its last matrix is through:
+    each chunk's stacking copy waits for the previous chunk's updates, so one chunk's
+    temporaries and directions are alive at a time, and the compiled program holds one
     small kernel per chunk instead of a stack-sized one.
     """
     bufs = dict(zip(plan.state_keys, state_muon))
     budget = chunk_bytes(plan)
-    directions, scales, prev = {}, {}, None
+    prev = None
     for sp in plan.owner.stacks:
         st, pieces, duals = sp.stack, {}, {}
         for lo, hi in chunks(st.size, 4 * st.rows * st.cols, budget):
             parts = _pieces(st, lo, hi)
             g = jnp.concatenate([st.members[i].to_stored(after(g_leaves[
                 st.members[i].index], prev))[a:b] for i, a, b in parts])
-            prev, bufs[sp.state_key], d = _chunk_step(sp, bufs[sp.state_key],
-                                                      scaled(g, scale), lo, hi, hps, count)
-            first = 0
+            o, bufs[sp.state_key], d = _chunk_step(sp, bufs[sp.state_key],
+                                                   scaled(g, scale), lo, hi, hps, count)
+            first, done = 0, []
             for i, a, b in parts:
-                pieces.setdefault(i, []).append(prev[first:first + b - a])
+                pieces.setdefault(i, []).append(o[first:first + b - a])
                 if d is not None:
                     duals.setdefault(i, []).append(d[first:first + b - a])
                 first += b - a
-        for i, m in enumerate(st.members):
-            o = pieces[i][0] if len(pieces[i]) == 1 else jnp.concatenate(pieces[i])
-            directions[m.index] = m.from_stored(o)
-            if duals:
-                scales[m.index] = sum(jnp.sum(x) for x in duals[i])
-    finish_leaves(plan, configs, hps, directions, scales, p_leaves, updates)
+                if b == st.members[i].batch:
+                    done.append(i)
+            for i in done:   # leaves whose matrices are all through
+                m = st.members[i]
+                o_leaf = m.from_stored(jnp.concatenate(pieces.pop(i)))
+                scales = {m.index: sum(jnp.sum(x) for x in duals.pop(i))} if duals else {}
+                finish_leaves(plan, configs, hps, {m.index: o_leaf}, scales, p_leaves,
+                              updates, only=(m,))
+            prev = updates[st.members[done[-1]].index] if done else o
     return tuple(bufs.values())
