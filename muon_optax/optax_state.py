@@ -39,7 +39,7 @@ import optax.contrib
 from optax.transforms import MaskedNode, MaskedState, PartitionState
 
 from muon_optax.contrib import ADAM, MUON, MUON_NO_DECAY
-from muon_optax.engine import Init, MuonAdamWState
+from muon_optax.engine import MuonAdamWState
 from muon_optax.labels import path_str
 from muon_optax.wrapped import locate
 
@@ -58,30 +58,33 @@ def holds_optax_muon_state(tree: Any) -> bool:
                for x in jax.tree.leaves(tree, is_leaf=is_optax_muon_state))
 
 
-def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any]:
-    """``(tx, params)`` of the one contrib_muon inside ``tx`` (``tx`` itself, or in a
-    chain or wrapper), with the params it sees."""
-    if isinstance(getattr(tx, "init", None), Init):
-        found_init, found_params = tx.init, params
-    else:
-        def shapes_of(init, seen):
-            opts = init.options
-            mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
-            return init.global_shapes(seen, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
-
-        found, _ = locate(tx, params, shapes_of)
-        if len(found) != 1:
-            raise TypeError(f"{where}: found {len(found)} muon_optax transformations in tx; "
-                            "optax.contrib.muon's state converts to and from exactly one "
-                            "muon_optax.contrib_muon (alone, or in a chain or wrapper).")
-        found_init, found_params = found[0].init, found[0].params
-    opts = found_init.options
+def _check_contrib(init: Any, where: str) -> None:
+    opts = init.options
     if opts.name != "contrib_muon" or not set(opts.configs) <= {MUON, MUON_NO_DECAY, ADAM}:
         raise TypeError(f"{where}: optax.contrib.muon's state belongs to "
                         "muon_optax.contrib_muon (its rule and groups); this is "
                         f"muon_optax.{opts.name}. Build the transformation with "
                         "muon_optax.contrib_muon and the optax run's arguments.")
-    return optax.GradientTransformation(found_init, None), found_params
+
+
+def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any, Any]:
+    """``(tx, params)`` of the one contrib_muon inside ``tx`` (``tx`` itself, or in a
+    chain or wrapper), with the params it sees; and the shape structs of ``tx``'s whole
+    state (traced without calling any init, so a ZeRO-2 one outside shard_map too)."""
+    def shapes_of(init, seen):
+        _check_contrib(init, where)
+        opts = init.options
+        mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
+        return init.global_shapes(seen, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
+
+    found, shapes = locate(tx, params, shapes_of)
+    if len(found) != 1:
+        raise TypeError(f"{where}: found {len(found)} muon_optax transformations in tx; "
+                        "optax.contrib.muon's state converts to and from exactly one "
+                        "muon_optax.contrib_muon (alone, or in a chain or wrapper).")
+    init = found[0].init
+    inner_params = params if init is getattr(tx, "init", None) else found[0].params
+    return optax.GradientTransformation(init, None), inner_params, shapes
 
 
 # optax keeps no public name for add_decayed_weights' schedule state: take its type.
@@ -289,19 +292,20 @@ def import_optax_state(tx: optax.GradientTransformation, optax_state: Any, param
     from muon_optax.portable import import_state
 
     where = "import_state"
-    inner, inner_params = _inner(tx, params, where)
+    inner, inner_params, want = _inner(tx, params, where)
     part = _only(optax_state, is_optax_muon_state, "optax.contrib.muon states", where)
+    is_ours = lambda x: isinstance(x, MuonAdamWState)  # noqa: E731
+    theirs_around = jax.tree.structure(_replace(optax_state, is_optax_muon_state, "muon"))
+    ours_around = jax.tree.structure(_replace(want, is_ours, "muon"))
+    if theirs_around != ours_around:
+        raise ValueError(
+            f"{where}: the wrappers around optax.contrib.muon's state ({theirs_around}, its "
+            f"state as *) are not tx's ({ours_around}). Wrap contrib_muon as "
+            "optax.contrib.muon was (the same chain, inject_hyperparams with the same "
+            "static_args).")
     portable = to_portable(inner, part, inner_params, where)
     state = import_state(inner, portable, inner_params, num_devices=num_devices)
-    out = _replace(optax_state, is_optax_muon_state, state)
-    want = jax.eval_shape(tx.init, params)
-    if jax.tree.structure(out) != jax.tree.structure(want):
-        raise ValueError(
-            f"{where}: the optax state's wrappers do not match tx's: after the conversion "
-            f"the state is {jax.tree.structure(out)}, tx.init gives "
-            f"{jax.tree.structure(want)}. Wrap contrib_muon as optax.contrib.muon was "
-            "(the same chain, inject_hyperparams with the same static_args).")
-    return out
+    return _replace(optax_state, is_optax_muon_state, state)
 
 
 def export_optax_state(tx: optax.GradientTransformation, state: Any, params: Any, *,
@@ -311,7 +315,7 @@ def export_optax_state(tx: optax.GradientTransformation, state: Any, params: Any
     from muon_optax.portable import export_state
 
     where = "export_state(as_optax=True)"
-    inner, inner_params = _inner(tx, params, where)
+    inner, inner_params, _ = _inner(tx, params, where)
     is_ours = lambda x: isinstance(x, MuonAdamWState)  # noqa: E731
     part = _only(state, is_ours, "muon_optax states", where)
     portable = export_state(inner, part, inner_params, num_devices=num_devices)

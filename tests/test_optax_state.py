@@ -83,22 +83,48 @@ def test_import_then_export_gives_optax_state_back_exactly():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_an_optax_state_continues_on_an_fsdp_mesh():
+@pytest.mark.parametrize("mode", ["fsdp", "zero2"])
+def test_an_optax_state_continues_sharded(mode):
+    """Onto params FSDP-split over a mesh (mesh=), or ZeRO-2 inside shard_map (the state
+    made for 8 devices, num_devices=8), and back to optax."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    n = 8
     kw = dict(learning_rate=0.02, weight_decay=0.1)
     theirs = optax.contrib.muon(**kw)
-    ours = muon_optax.contrib_muon(**kw, axis_name="data", mesh=mesh)
     p0 = random_tree(0)
     p3, s3 = steps(theirs, p0, theirs.init(p0), 0)
-    p6, _ = steps(theirs, p3, s3, 3)
-    spec = lambda x: P("data") if x.ndim >= 2 and x.shape[0] % 8 == 0 else P()  # noqa: E731
-    placed = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), p3)
-    state = muon_optax.import_state(ours, s3, placed)
-    q6, _ = steps(ours, placed, state, 3)
+    p6, s6 = steps(theirs, p3, s3, 3)
+    if mode == "fsdp":
+        mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
+        ours = muon_optax.contrib_muon(**kw, axis_name="data", mesh=mesh)
+        spec = lambda x: P("data") if x.ndim >= 2 and x.shape[0] % n == 0 else P()  # noqa: E731
+        params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))), p3)
+        state = muon_optax.import_state(ours, s3, params)
+        q6, ours6 = steps(ours, params, state, 3)
+        back = muon_optax.export_state(ours, ours6, q6, as_optax=True)
+        # optax steps on one device: gather the params and its state.
+        q6, back = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), (q6, back))
+    else:
+        mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+        ours = muon_optax.contrib_muon(**kw, axis_name="data")
+        specs = muon_optax.state_specs(ours, p3, mesh)
+        state = muon_optax.import_state(ours, s3, p3, num_devices=n)
+        step = jax.jit(jax.shard_map(
+            lambda g, s, p: ours.update(jax.tree.map(lambda x: x[0], g), s, p), mesh=mesh,
+            in_specs=(P("data"), specs, P()), out_specs=(P(), specs)))
+        every = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), t)  # noqa
+        params = p3
+        for t in range(3, 6):
+            updates, state = step(every(random_tree(100 + t)), state, params)
+            params = optax.apply_updates(params, updates)
+        q6 = params
+        back = muon_optax.export_state(ours, state, q6, as_optax=True)
     assert_same_change(q6, p6, p3)
+    r9, _ = steps(theirs, q6, back, 6)
+    p9, _ = steps(theirs, p6, s6, 6)
+    assert_same_change(r9, p9, p6)
 
 
 def _optax_state(**kw):
@@ -144,7 +170,7 @@ def test_counts_that_differ_and_other_transformations_are_refused():
         muon_optax.import_state(muon_optax.contrib_muon(0.02), odd, params)
     with pytest.raises(TypeError, match="belongs to muon_optax.contrib_muon"):
         muon_optax.import_state(muon_optax.muon(0.02), state, params)
-    with pytest.raises(ValueError, match="Wrap contrib_muon as optax.contrib.muon was"):
+    with pytest.raises(ValueError, match="are not tx.s .*Wrap contrib_muon as optax.contrib"):
         muon_optax.import_state(optax.chain(optax.clip(1.0), muon_optax.contrib_muon(0.02)),
                                 state, params)
     with pytest.raises(TypeError, match="belongs to muon_optax.contrib_muon"):
