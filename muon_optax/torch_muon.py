@@ -1,4 +1,4 @@
-"""``torch_muon``: ``torch.optim.Muon``'s rule and names (PyTorch 2.9+) on muon_optax's engine.
+"""``torch_muon``: ``torch.optim.Muon``'s rule and names (PyTorch 2.13) on the engine.
 
 The rule, per matrix ``P`` of shape ``(out, in)``, gradient ``g`` (torch's defaults):
 
