@@ -110,18 +110,20 @@ def test_a_schedule_is_torchs_lr_set_per_step():
     assert max(errors.values()) <= TOL, errors
 
 
-@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16])
-def test_within_torchs_own_bfloat16_gap(compute_dtype):
-    """Against the real torch.optim.Muon (bfloat16 iteration): no farther than torch is
-    from itself with a float32 iteration (measured: that gap is 0.8-1.0% of the change;
-    ours in float32 is as far as torch in float32, in bfloat16 1.24-1.31%)."""
+@pytest.mark.parametrize("compute_dtype, factor", [(jnp.float32, 1.05), (jnp.bfloat16, 2.5)])
+def test_within_torchs_own_bfloat16_gap(compute_dtype, factor):
+    """Against the real torch.optim.Muon (bfloat16 iteration), measured against torch's
+    own gap (torch with a float32 iteration): that gap is 0.8-1.0% of the change on CPU.
+    Ours in float32 is as far as torch in float32. Ours in bfloat16 (rounded differently
+    from torch's bfloat16): 1.24-1.31% on CPU (1.35x the gap); on an H200, 0.9-1.5%
+    against a gap of 0.65-0.77% (2.0x), hence 2.5x."""
     p0 = tree(0, scale=0.5)
     real = run_torch(p0, 5, dict(lr=0.02), float32=False)
     exact = run_torch(p0, 5, dict(lr=0.02), float32=True)
     got = run_ours(muon_optax.torch_muon(lr=0.02, compute_dtype=compute_dtype), p0, 5)
     gap, ours = relative(exact, real, p0), relative(got, real, p0)
     for k in SHAPES:
-        assert ours[k] <= 1.5 * gap[k], (k, ours[k], gap[k])
+        assert ours[k] <= factor * gap[k], (k, ours[k], gap[k])
 
 
 def test_blocks_and_batch_axes_are_torchs_matrices():
