@@ -41,6 +41,7 @@ from muon_optax.engine import (
     state_shapes,
 )
 from muon_optax.layout import MatrixLeaf
+from muon_optax.optax_state import export_optax_state, holds_optax_muon_state, import_optax_state
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import pad_to, to_partition_spec, typed_spec
 from muon_optax.transport import member_rows
@@ -143,7 +144,7 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
 
 
 def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params: Any,
-                 *, num_devices: int | None = None) -> dict[str, Any]:
+                 *, num_devices: int | None = None, as_optax: bool = False) -> Any:
     """``tx``'s state as per-parameter arrays that do not depend on devices or mode.
 
     Args:
@@ -154,7 +155,12 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
       num_devices: only for a transformation built with ``axis_name`` but no ``mesh``,
         used inside your own ``shard_map``: the device count the state was made for
         (default: read from the state).
+      as_optax: for a :func:`muon_optax.contrib_muon` (alone or wrapped), return the
+        state ``optax.contrib.muon`` with the same arguments (wrapped the same way) would
+        have, to continue the run on optax (see :mod:`muon_optax.optax_state`).
     """
+    if as_optax:
+        return export_optax_state(tx, state, params, num_devices=num_devices)
     tx, state, params = _inside(tx, state, params)
     if num_devices is None and getattr(tx.init, "options", None) is not None \
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
@@ -287,7 +293,14 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     Place the result with :func:`muon_optax.state_specs` (or let ``jax.jit`` place it).
     ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the
     device count to make the state for (required there).
+
+    ``portable`` may also be the state of ``optax.contrib.muon`` (or of a chain or
+    wrapper holding it) for ``tx`` a :func:`muon_optax.contrib_muon` with the same
+    arguments, wrapped the same way: the result is ``tx``'s state, to continue the run
+    (see :mod:`muon_optax.optax_state`).
     """
+    if holds_optax_muon_state(portable):
+        return import_optax_state(tx, portable, params, num_devices=num_devices)
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
     mesh = _explicit_mesh(tx, (portable, params))
