@@ -306,7 +306,8 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
                  for key in plan.state_keys)
     skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
-                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips)
+                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips,
+                          want.layout)
 
 
 def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
