@@ -58,6 +58,16 @@ def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> Grad
     return GradStats(scale, total[1] == 0 if skip else None)
 
 
+def stats_sent(num_devices: int, partial_sums: int) -> float:
+    """Bytes one device sends for the statistics: one all-reduce (ring) of
+    ``partial_sums`` float32 pairs ``[sum of g^2, non-finite count]``. ZeRO-2
+    (:func:`from_sums` after one ``psum``): one pair. The ``mesh=`` form
+    (:func:`global_stats` on the global arrays): XLA sums each leaf split over the
+    devices where it lies and all-reduces its pair."""
+    n = num_devices
+    return 2 * (n - 1) / n * 2 * 4 * partial_sums
+
+
 def global_stats(grads: Any, max_grad_norm: float | None, skip: bool) -> GradStats:
     """:class:`GradStats` of gradients that are the mean already (one device, ``mesh=``)."""
     return from_sums(sums(jax.tree.leaves(grads)), max_grad_norm, skip)
