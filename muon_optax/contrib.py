@@ -158,6 +158,16 @@ class _Split:
         return treedef.unflatten([ADAM if d is None else MUON if w else MUON_NO_DECAY
                                   for d, w in zip(dims, decayed)])
 
+    def reasons(self, params: Any) -> Any:
+        """Why each leaf went where it did (for :func:`muon_optax.describe`)."""
+        given = "muon_weight_dimension_numbers"
+        dims = self.dims(params)
+        decayed = self.decayed(params, dims)
+        why = [(f"{given} None" if self.spec is not None else "not 2-D (optax's rule)")
+               if d is None else (given if self.spec is not None else "2-D (optax's rule)")
+               + ("" if w else ", weight_decay_mask False") for d, w in zip(dims, decayed)]
+        return jax.tree.structure(params).unflatten(why)
+
     def dimension_numbers(self, params: Any) -> Any:
         return jax.tree.structure(params).unflatten(self.dims(params))
 
