@@ -169,9 +169,11 @@ def check_state(plan: TreePlan, state: Any, want: Any, name: str,
     """A state made for these params (``dtypes``: theirs) and this layout, or a clear
     error."""
     got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
-    if isinstance(state, MuonAdamWState) and state.layout != want.layout and \
-            got_def == jax.tree.structure(want._replace(layout=state.layout)):
-        raise layout_error(name, state.layout, want.layout)
+    needed = want.layout if isinstance(want, MuonAdamWState) else None
+    other_layout = isinstance(state, MuonAdamWState) and state.layout != needed
+    if other_layout:   # the leaves first: a shape or dtype says more than a layout
+        want = want._replace(layout=state.layout)
+        want_def = jax.tree.structure(want)
     if got_def != want_def:
         raise ValueError(f"{name}: the state was made for other params or another optimizer "
                          f"(its structure differs); call tx.init on these params.\n"
@@ -191,6 +193,8 @@ def check_state(plan: TreePlan, state: Any, want: Any, name: str,
                 f"{name}: state leaf {jax.tree_util.keystr(path)} is {got.dtype}, but these "
                 f"params need {w.dtype}: a parameter changed dtype after tx.init{which}; "
                 "cast it back, or call tx.init on the params as they are now.")
+    if other_layout:
+        raise layout_error(name, state.layout, needed)
 
 
 # ------------------------------------------------------------------ AdamW
