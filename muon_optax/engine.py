@@ -57,6 +57,7 @@ from muon_optax.single import MuonBuffers
 from muon_optax.state_layout import StateLayout, layout_error, layout_of
 from muon_optax.transport import Transports
 from muon_optax.variables import unbox, unboxed_structure
+from muon_optax.warn import warn_if_split
 from muon_optax.wrapped import recorder
 
 
@@ -510,6 +511,8 @@ def local_fns(opts: Options):
 
     def init_fn(params):
         plan = tree_plan(opts, params, axes_here())
+        if opts.axes is None:
+            warn_if_split(plan.treedef.flatten_up_to(params), list(plan.paths), opts.name)
         if opts.axes is not None:
             _check_whole_params(plan, Collectives(opts.axes, where=opts.name),
                                 plan.treedef.flatten_up_to(params), opts.name)
