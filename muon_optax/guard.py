@@ -101,7 +101,9 @@ def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
     if max_grad_norm is None:
         return None
     if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:
-        return max_grad_norm
+        # traced (optax.inject_hyperparams under jax.jit): no value to check here
+        if isinstance(max_grad_norm, jax.core.Tracer) or float(max_grad_norm) > 0:
+            return max_grad_norm
     if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
             or not max_grad_norm > 0:
         raise ValueError(f"{where}: max_grad_norm must be a positive number (the largest "

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muon_optax.dimension_numbers import check_unused
 from muon_optax.hparams import MuonConfig
 from muon_optax.labels import flat_labels, path_str
 from muon_optax.layout import MatrixLeaf, Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
@@ -579,7 +580,9 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             leaf = matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             matrices.append(leaf)
-        elif any(specs[i]):
+            continue
+        check_unused(dims[i], path, label)
+        if any(specs[i]):
             adamw_leaves.append(AdamWLeaf(i, path, label, shape, None, shape, local=True,
                                           mu_dtype=configs[label].mu_dtype))
         else:
