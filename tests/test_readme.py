@@ -150,3 +150,13 @@ def test_blocks_snippet_runs_and_cuts_as_its_comments_say():
     grads = jax.tree.map(lambda x: x + 0.01, params)
     updates, _ = tx.update(grads, ns["state"], params)
     assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+
+
+def test_testing_guide_chex_test_runs_and_shift_is_only_noise():
+    # docs/testing.md's test as pasted; what it leaves out differs by about lr (its
+    # gradient is rounding noise: the runs disagree on the sign of each step).
+    ns = run(block("chex.assert_trees_all_close("))
+    grad = jax.grad(ns["loss_fn"])(ns["params"], ns["tokens"])
+    assert float(np.abs(grad["shift"]).max()) < 1e-8
+    apart = np.asarray(ns["eight"]["shift"]) - np.asarray(ns["one"]["shift"])
+    assert float(np.abs(apart).max()) > 1e-4
