@@ -96,11 +96,16 @@ def test_update_takes_extra_args_as_optax():
 
 # optax's own tests of its muon (optax.contrib._common_test), run with contrib_muon in its
 # place. Float16 is left out: the engine refuses it (its polar iteration is float32).
-_common = pytest.importorskip("optax.contrib._common_test")
+try:   # shipped in optax's wheel; absent from some installs (then nothing to run)
+    import optax.contrib._common_test as _common
+except ImportError:
+    _common = None
 
 
 def _muon_cases():
     out = []
+    if _common is None:
+        return out
     for name in sorted(dir(_common.ContribTest)):
         params = getattr(getattr(_common.ContribTest, name), "__x_params_repr__", "")
         if name.startswith("test_") and "opt_name='muon'" in params \
