@@ -581,7 +581,6 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             matrices.append(leaf)
             continue
-        check_unused(dims[i], path, label)
         if any(specs[i]):
             adamw_leaves.append(AdamWLeaf(i, path, label, shape, None, shape, local=True,
                                           mu_dtype=configs[label].mu_dtype))
@@ -590,6 +589,8 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis,
                                           padded_shape(shape, axis, n),
                                           mu_dtype=configs[label].mu_dtype))
+    for a in adamw_leaves:   # after the Muon leaves', whose errors say more
+        check_unused(dims[a.index], a.path, a.group)
     stacks = plan_stacks(matrices, configs, lambda leaf: _signature(leaf, *kinds[leaf.index]))
     holders, held = [], []
     for st in stacks:
