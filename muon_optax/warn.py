@@ -26,7 +26,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 def warn_if_split(leaves: list[Any], paths: list[str], name: str) -> None:
     """At an eager ``init`` of a transformation built without ``mesh=``: params split over
     several devices train correctly through GSPMD, but move every Muon matrix and its
-    direction as XLA sees fit (measured: 2.2x the bytes of the ``mesh=`` form)."""
+    direction as XLA sees fit (measured, FSDP of the tests' nanochat-like d256x4 model with
+    a 2048 vocabulary on 8 devices: 152.0 MB sent per device per step against 2.75 MB in
+    the ``mesh=`` form)."""
     for path, x in zip(paths, leaves):
         sharding = getattr(x, "sharding", None)
         if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or sharding is None:
@@ -37,8 +39,8 @@ def warn_if_split(leaves: list[Any], paths: list[str], name: str) -> None:
             axis = axes[0] if len(axes) == 1 else axes
             warn(f"{name}: parameter {path!r} is split over {len(sharding.device_set)} "
                  f"devices ({sharding}), but this transformation was built without mesh=, "
-                 "so it runs as on one device and XLA moves its data as it sees fit (FSDP "
-                 "measured: 2.2x the bytes). Build it with "
+                 "so it runs as on one device and XLA moves its data as it sees fit (an "
+                 "FSDP d256 GPT on 8 devices: 55x the collective bytes). Build it with "
                  f"axis_name={axis!r}, mesh=<the params' mesh> to update each Muon matrix "
                  "on one owner device.")
             return
