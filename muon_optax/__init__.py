@@ -18,6 +18,7 @@ from muon_optax.optimizer import adamw, muon, muon_adamw
 from muon_optax.polar import POLAR_EXPRESS_COEFFS, orthogonalize
 from muon_optax.portable import export_state, import_state
 from muon_optax.sharding import state_specs
+from muon_optax.torch_muon import torch_muon
 from muon_optax.variables import load_nnx_optimizer_state
 
 __version__ = "0.1.0"
@@ -41,4 +42,5 @@ __all__ = [
     "orthogonalize",
     "path_str",
     "state_specs",
+    "torch_muon",
 ]

@@ -155,8 +155,13 @@ def _check_mesh(x: Any, opts: Options, path: str) -> None:
 
 
 def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...]) -> TreePlan:
-    return make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
+    plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
                           axes, leaf_specs(opts, params), opts.threshold, opts.name)
+    # One device runs the plain path (muon_optax.single), also under mesh= (whose
+    # gradients are already reduced). ZeRO-2 on a one-device axis keeps the sharded
+    # path: its collectives make the per-device gradients replicated.
+    one = plan.num_devices == 1 and (opts.axes is None or opts.mesh is not None)
+    return dataclasses.replace(plan, per_stack_state=one)
 
 
 def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
@@ -254,15 +259,28 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
             _adamw_local_shape(a, n) if per_device else a.padded)
         mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
         nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
-    rows = 1 if per_device else n
-    muon = tuple(MuonBuffers(jax.ShapeDtypeStruct((rows, plan.owner.momentum[key].length),
-                                                  key[1]),
-                             jax.ShapeDtypeStruct((rows, plan.owner.second[key].length),
-                                                  key[0]))
-                 for key in plan.state_keys)
+    muon = tuple(MuonBuffers(*(jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(
+        buffer_shapes(plan, key, per_device), (key[1], key[0])))) for key in plan.state_keys)
     count = jax.ShapeDtypeStruct((), jnp.int32)
     return MuonAdamWState(count, plan.treedef.unflatten(mu), plan.treedef.unflatten(nu),
                           muon, count if skipped else None, layout_of(plan))
+
+
+def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
+    """The shapes of one state key's momentum and second-moment buffers.
+
+    One device (``plan.per_stack_state``): the stack's own layout, ``(K, R, C)`` and
+    ``(K, *second_shape)``, so that the kernel reads and writes its chunks without a
+    relayout. Owners: one dimension, a device's share a 1-D run of its matrices (see
+    :class:`MuonBuffers`).
+    """
+    if plan.per_stack_state:
+        (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
+        st = sp.stack
+        return (st.size, st.rows, st.cols), (st.size,) + sp.second_shape
+    rows = 1 if per_device else plan.num_devices
+    return ((rows * plan.owner.momentum[key].length,),
+            (rows * plan.owner.second[key].length,))
 
 
 def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],
@@ -390,7 +408,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
     adamw_grads = _adamw_grads(plan, comm, g_leaves, p_leaves)
     g_view, p_view = _block_views(plan, g_leaves), _block_views(plan, p_leaves)
-    moves = Transports(plan.owner, g_view, comm) if comm.active else None
+    sharded = comm.active and not plan.per_stack_state
+    moves = Transports(plan.owner, g_view, comm) if sharded else None
     if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
         stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if moves
                  else global_stats(g_leaves, opts.max_grad_norm, opts.skip_nonfinite))

@@ -38,8 +38,8 @@ from muon_optax.adamw import update_in_param_dtype
 from muon_optax.hparams import MuonConfig
 from muon_optax.order import after
 from muon_optax.polar import (
-    default_compute_dtype,
     overflow_scale,
+    per_platform,
     polar_express_stack,
     precondition,
 )
@@ -177,6 +177,19 @@ def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
     return jnp.swapaxes(o, -1, -2) if on_cols else o
 
 
+def _orthogonalized_as(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
+                       dtype: Any) -> jax.Array:
+    """:func:`_orthogonalized` rounded to ``dtype`` (the rule rounds ``O`` to the
+    parameter dtype). Without ``cfg.compute_dtype``: float32 when compiled for CPU,
+    bfloat16 for accelerators, as the step is lowered (``lax.platform_dependent``; a
+    program compiled ahead of time for a TPU from a CPU host is the TPU's)."""
+    if cfg.compute_dtype is not None:
+        return _orthogonalized(u, transposed, cfg, cfg.compute_dtype).astype(dtype)
+    return per_platform(
+        u, lambda u: _orthogonalized(u, transposed, cfg, jnp.float32).astype(dtype),
+        lambda u: _orthogonalized(u, transposed, cfg, jnp.bfloat16).astype(dtype))
+
+
 def normalized_direction(
     u: jax.Array,
     second_moment: jax.Array,
@@ -196,8 +209,7 @@ def normalized_direction(
     """
     f32 = jnp.float32
     rows, cols = u.shape[-2:]
-    o = _orthogonalized(u, transposed, cfg, cfg.compute_dtype or default_compute_dtype())
-    o = o.astype(dtype).astype(f32)  # the rule rounds O to the parameter dtype here
+    o = _orthogonalized_as(u, transposed, cfg, dtype).astype(f32)
     if not cfg.normuon:
         if cfg.renormalize:  # Muon+ alone
             fro = jnp.sqrt(jnp.sum(o * o, axis=(-2, -1), keepdims=True))

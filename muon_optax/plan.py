@@ -514,6 +514,9 @@ class TreePlan:
     adamw: tuple[AdamWLeaf, ...]
     muon: tuple[MatrixLeaf, ...]
     owner: OwnerPlan
+    # One device (no owner axes, or mesh= on one device): each stack's Muon state in the
+    # stack's own (K, R, C) layout, run by muon_optax.single.
+    per_stack_state: bool = False
 
     @property
     def num_devices(self) -> int:

@@ -246,21 +246,42 @@ def _polynomial(gram: jax.Array, a: float, b: float, c: float) -> jax.Array:
     return m.astype(gram.dtype)
 
 
-def _direct_steps(x: jax.Array, coeffs) -> jax.Array:
-    """Polar Express steps as the rule writes them, on the short side's Gram matrix.
+# Tests set this to write the loops out (the polar steps, CPU's matrices), so that XLA's
+# cost analysis, which counts a loop's body once, sees all the work it measures.
+UNROLL_STEPS = False
+
+
+def _direct_step(x: jax.Array, a, b, c) -> jax.Array:
+    """One Polar Express step as the rule writes it, on the short side's Gram matrix.
 
     ``a X + (b A + c A^2) X`` is computed as ``(a I + b A + c A^2) X``: the a-term goes
     on the small side, saving a pass over the long side per step.
     """
-    tall = x.shape[-2] > x.shape[-1]
-    for a, b, c in coeffs:
-        if tall:  # A = X^T X; X (a I + b A + c A^2)
-            gram = _matmul(jnp.swapaxes(x, -1, -2), x)
-            x = _matmul(x, _polynomial(gram, a, b, c))
-        else:  # wide or square: A = X X^T; (a I + b A + c A^2) X
-            gram = _matmul(x, jnp.swapaxes(x, -1, -2))
-            x = _matmul(_polynomial(gram, a, b, c), x)
-    return x
+    if x.shape[-2] > x.shape[-1]:  # tall: A = X^T X; X (a I + b A + c A^2)
+        return _matmul(x, _polynomial(_matmul(jnp.swapaxes(x, -1, -2), x), a, b, c))
+    # wide or square: A = X X^T; (a I + b A + c A^2) X
+    return _matmul(_polynomial(_matmul(x, jnp.swapaxes(x, -1, -2)), a, b, c), x)
+
+
+def _direct_steps(x: jax.Array, coeffs) -> jax.Array:
+    """The steps of ``coeffs`` as a loop over its rows (one step's program, run
+    ``len(coeffs)`` times).
+
+    Written out, five steps are five copies of the step in the compiled program; the
+    TPU compiler spends most of a Muon update's compile time and memory on such copies
+    (BENCHMARKS.md, "The TPU compiler"). The coefficients are float32 scalars read from
+    the table, the values a Python float would give.
+    """
+    if len(coeffs) == 1 or UNROLL_STEPS:
+        for abc in coeffs:
+            x = _direct_step(x, *abc)
+        return x
+    table = jnp.asarray(np.asarray(coeffs, np.float32))
+
+    def step(x, abc):
+        return _direct_step(x, abc[0], abc[1], abc[2]), None
+
+    return jax.lax.scan(step, x, table)[0]
 
 
 def _gram_space_steps(x: jax.Array, coeffs) -> jax.Array:
@@ -377,30 +398,52 @@ def polar_iteration(x: jax.Array, coeffs: Coeffs, method: str = "direct", *,
     return _gram_space_steps(x, coeffs[GRAM_DIRECT_STEPS:])
 
 
-# XLA:CPU runs a batched (K, R, C) dot 1.06x to 1.17x slower than K 2-D dots
-# (BENCHMARKS.md), so on CPU a stack's iteration is traced once per matrix, still inside
-# the one jitted step. Past this many matrices the compile time is not worth it.
-CPU_PER_MATRIX_MAX = 64
+# Which platform's form :func:`per_platform` takes when set ("cpu" or "accelerator");
+# None: the platform the step is compiled for. Tests set it to run the accelerators'
+# program (batched, bfloat16 by default) on CPU.
+FORCE_FORM: str | None = None
+
+
+def per_platform(x: Any, cpu: Any, accelerator: Any) -> Any:
+    """``cpu(x)`` in a program compiled for CPU, else ``accelerator(x)``.
+
+    Decided when the step is lowered (``lax.platform_dependent``), not by the process's
+    default backend: a step compiled ahead of time for a TPU on a CPU host is the TPU's.
+    Both functions must return the same types.
+    """
+    if FORCE_FORM is not None:
+        return cpu(x) if FORCE_FORM == "cpu" else accelerator(x)
+    return jax.lax.platform_dependent(x, cpu=cpu, default=accelerator)
 
 
 def polar_express_stack(x: jax.Array, ns_steps: int = 5, method: str = "direct", *,
                         coeffs: Coeffs | None = None,
                         preconditioning: str = "basin") -> jax.Array:
-    """:func:`polar_express` on a stack ``(K, R, C)``: batched, or per matrix on CPU.
+    """:func:`polar_express` on a stack ``(K, R, C)``: batched on accelerators, one
+    matrix at a time on CPU.
 
+    XLA:CPU runs a batched ``(K, R, C)`` dot 1.06x to 1.17x slower than K 2-D dots
+    (BENCHMARKS.md), so there the matrices go through a loop (``lax.map``), which also
+    keeps one matrix's temporaries alive instead of the stack's. The platform is the one
+    the step is compiled for (``lax.platform_dependent``), not the process's default: a
+    program compiled ahead of time for a TPU from a CPU host gets the TPU's form.
     With ``coeffs`` (one ``(a, b, c)`` per step) it runs :func:`polar_iteration` with
     them and ``preconditioning`` instead; ``ns_steps`` is then ``len(coeffs)``.
     """
     if coeffs is None:
         coeffs = POLAR_EXPRESS_COEFFS[:check_ns_steps(ns_steps, "polar_express")]
 
-    def run(y):
+    def batched(y):
         return polar_iteration(y, coeffs, method, preconditioning=preconditioning)
 
-    k = x.shape[0]
-    if jax.default_backend() != "cpu" or not 1 < k <= CPU_PER_MATRIX_MAX:
-        return run(x)
-    return jnp.stack([run(x[i]) for i in range(k)])
+    if x.shape[0] <= 1:
+        return batched(x)
+    def one_by_one(y):
+        if UNROLL_STEPS:
+            return jnp.concatenate([batched(y[i:i + 1]) for i in range(y.shape[0])])
+        return jax.lax.map(batched, y)
+
+    return per_platform(x, one_by_one, batched)
 
 
 def orthogonalize(

@@ -45,6 +45,7 @@ from muon_optax.engine import (
     state_shapes,
 )
 from muon_optax.layout import MatrixLeaf
+from muon_optax.optax_state import export_optax_state, holds_optax_muon_state, import_optax_state
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import pad_to, to_partition_spec, typed_spec
 from muon_optax.transport import member_rows
@@ -135,7 +136,7 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
         momentum = kind == "momentum"
         channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
         size = st.rows * st.cols if momentum else sp.second_size
-        buf = bufs[key][0 if momentum else 1]
+        buf = bufs[key][0 if momentum else 1].reshape(plan.num_devices, -1)
         for m, stored in zip(st.members, member_rows(buf, channel, k, sp, size)):
             if momentum:
                 out[m.index] = m.from_stored(stored.reshape(m.batch, st.rows, st.cols)
@@ -147,7 +148,7 @@ def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
 
 
 def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params: Any,
-                 *, num_devices: int | None = None) -> dict[str, Any]:
+                 *, num_devices: int | None = None, as_optax: bool = False) -> Any:
     """``tx``'s state as per-parameter arrays that do not depend on devices or mode.
 
     Args:
@@ -158,7 +159,12 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
       num_devices: only for a transformation built with ``axis_name`` but no ``mesh``,
         used inside your own ``shard_map``: the device count the state was made for
         (default: read from the state).
+      as_optax: for a :func:`muon_optax.contrib_muon` (alone or wrapped), return the
+        state ``optax.contrib.muon`` with the same arguments (wrapped the same way) would
+        have, to continue the run on optax (see :mod:`muon_optax.optax_state`).
     """
+    if as_optax:
+        return export_optax_state(tx, state, params, num_devices=num_devices)
     tx, state, params = _inside(tx, state, params)
     if num_devices is None and getattr(tx.init, "options", None) is not None \
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
@@ -182,24 +188,43 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
 
 
 def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
-    """The device count a ZeRO-2 state was made for: the rows of its Muon buffers, else
-    the owner axes' size in the mesh its arrays lie on; else (a state of AdamW leaves
-    under jit) one device if that fits (the per-parameter form is then the same for
-    any count), or a clear error."""
-    if state.muon:
-        return state.muon[0].momentum.shape[0]
+    """The device count a ZeRO-2 state was made for: the owner axes' size in the mesh its
+    arrays lie on; else the count whose plan gives its Muon buffers their sizes; else (a
+    state of AdamW leaves under jit) one device if that fits (the per-parameter form is
+    then the same for any count), or a clear error."""
     axes = tx.init.options.axes
     for x in jax.tree.leaves(state):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
         if isinstance(x, jax.Array) and mesh is not None and not isinstance(x, jax.core.Tracer) \
                 and all(a in mesh.shape for a in axes):
             return int(np.prod([mesh.shape[a] for a in axes]))
+    if state.muon:
+        return _devices_of_buffers(tx, state, params)
     try:
         _check(_plan(tx, params, 1, "export_state"), state, params, "export_state", _skips(tx))
     except ValueError as e:
         raise ValueError("export_state: this state's device count cannot be read from it "
                          "(no Muon leaves, traced arrays): pass num_devices=.") from e
     return 1
+
+
+def _devices_of_buffers(tx: Any, state: MuonAdamWState, params: Any,
+                        most: int = 4096) -> int:
+    """The device count ``N`` whose plan lays out Muon buffers of exactly these sizes
+    (each ``N * L``): the smallest that fits, trying the divisors of the first size."""
+    sizes = [int(np.size(x)) for b in state.muon for x in b]
+    for n in range(1, min(most, sizes[0]) + 1):
+        if sizes[0] % n:
+            continue
+        plan = _plan(tx, params, n, "export_state")
+        want = [n * c[key].length for key in plan.state_keys
+                for c in (plan.owner.momentum, plan.owner.second)]
+        if want == sizes:
+            return n
+    raise ValueError("export_state: no device count up to "
+                     f"{most} lays out Muon buffers of sizes {sizes} for these params: the "
+                     "state was made for other params or another optimizer; pass "
+                     "num_devices= if it is right.")
 
 
 def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any]:
@@ -236,7 +261,7 @@ def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -
 
 def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
                  kind: str) -> jax.Array:
-    """The device-major ``(N, L)`` buffer of one state key from leaf-shaped arrays."""
+    """The device-major ``(N * L,)`` buffer of one state key from leaf-shaped arrays."""
     momentum = kind == "momentum"
     channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
     dt = key[1] if momentum else key[0]
@@ -262,7 +287,7 @@ def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
         used = sum(x.shape[0] for x in r)
         r = r + [jnp.zeros(channel.length - used, dt)] if channel.length > used else r
         out.append(jnp.concatenate(r) if r else jnp.zeros(0, dt))
-    return jnp.stack(out)
+    return jnp.stack(out).reshape(-1)
 
 
 def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], params: Any,
@@ -272,7 +297,14 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     Place the result with :func:`muon_optax.state_specs` (or let ``jax.jit`` place it).
     ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the
     device count to make the state for (required there).
+
+    ``portable`` may also be the state of ``optax.contrib.muon`` (or of a chain or
+    wrapper holding it) for ``tx`` a :func:`muon_optax.contrib_muon` with the same
+    arguments, wrapped the same way: the result is ``tx``'s state, to continue the run
+    (see :mod:`muon_optax.optax_state`).
     """
+    if holds_optax_muon_state(portable):
+        return import_optax_state(tx, portable, params, num_devices=num_devices)
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
     # Arrays on other devices than tx's (exported on 3 devices, imported for 5) would keep
@@ -323,9 +355,11 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
         nu[a.index] = pad_to(jnp.asarray(given_nu[a.index], want_nu[a.index].dtype), pad)
     momentum = dict(enumerate(plan.treedef.flatten_up_to(portable["momentum"])))
     second = dict(enumerate(plan.treedef.flatten_up_to(portable["second_moment"])))
-    muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum"),
-                             _flat_buffer(plan, key, second, "second"))
-                 for key in plan.state_keys)
+    muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum").reshape(
+                                 w.momentum.shape),
+                             _flat_buffer(plan, key, second, "second").reshape(
+                                 w.second_moment.shape))
+                 for key, w in zip(plan.state_keys, want.muon))
     skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
                           plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips,

@@ -126,8 +126,26 @@ class Collectives:
             return x
         if self.grads_reduced:
             return self.local(x, axis)
-        y = jax.lax.psum_scatter(x, self.axes, scatter_dimension=axis, tiled=True)
+        y = jax.lax.platform_dependent(x, tpu=lambda x: self._sum_scatter_by_exchange(x, axis),
+                                       default=self._sum_scatter(axis))
         return (y / self.size).astype(x.dtype)
+
+    def _sum_scatter(self, axis: int):
+        return lambda x: jax.lax.psum_scatter(x, self.axes, scatter_dimension=axis, tiled=True)
+
+    def _sum_scatter_by_exchange(self, x: jax.Array, axis: int) -> jax.Array:
+        """A reduce-scatter (sum, along ``axis``) as an all-to-all and a local sum.
+
+        The TPU compiler turns ``psum_scatter`` into an all-reduce of the whole operand
+        and a slice: twice the bytes a reduce-scatter sends (BENCHMARKS.md, "The TPU
+        compiler"). The all-to-all sends each device its 1/N of every device's operand,
+        (N - 1)/N of it per device, as a ring reduce-scatter does; the device adds the N
+        pieces it received, in device order.
+        """
+        n, x = self.size, jnp.moveaxis(x, axis, 0)
+        rows = x.reshape((n, x.shape[0] // n) + x.shape[1:])
+        y = jnp.sum(jax.lax.all_to_all(rows, self.axes, 0, 0, tiled=True), axis=0)
+        return jnp.moveaxis(y, 0, axis)
 
     def gather(self, x: jax.Array, axis: int) -> jax.Array:
         """All-gather: the devices' slices concatenated along ``axis``, the same everywhere."""

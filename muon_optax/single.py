@@ -7,9 +7,9 @@ which take the cautious update in their own layout. Nothing here knows about dev
 the sharded engine (:mod:`muon_optax.stacks`) adds ownership and transport around the
 same kernel and the same per-leaf finish.
 
-The state of a stack is a pair of flat buffers of its own (:class:`MuonBuffers`, one
-row), not one array per leaf: the kernel updates the momentum in the buffer's layout,
-so XLA rewrites it in place. Kept per leaf (optax's layout, mirroring the params), the
+The state of a stack is a pair of buffers of its own in the stack's layout
+(:class:`MuonBuffers`, ``(K, R, C)``), not one array per leaf: the kernel updates each
+chunk's rows in place. Kept per leaf (optax's layout, mirroring the params), the
 momentum is stacked into a copy each step: benchmarks/state_layout.py measured the
 same kernel both ways on d256x4 (2 CPU cores) at a per-rep median of 1.017x the
 Muon phase's time and 20.0 MiB of temporaries against 16.0 MiB. The buffers stay: the
@@ -34,10 +34,14 @@ from muon_optax.plan import StackPlan, TreePlan
 
 
 class MuonBuffers(NamedTuple):
-    """The Muon state of the stacks of one state key, as ``(N, L)`` arrays split over
-    the owner axes: row ``d`` is device ``d``'s share, the momenta (resp. NorMuon second
-    moments) of the matrices it owns, back to back, stack by stack. On one device, one
-    stack's: its matrices' momenta in stack order."""
+    """The Muon state of the stacks of one state key, as 1-D ``(N * L,)`` arrays split
+    over the owner axes: elements ``d L .. (d + 1) L - 1`` are device ``d``'s share, the
+    momenta (resp. NorMuon second moments) of the matrices it owns, back to back, stack
+    by stack. On one device, one stack's: its matrices' momenta in stack order.
+
+    One dimension, not ``(N, L)``: a device's ``(1, L)`` share is tiled on a TPU, and
+    writing a ``(K, R, C)`` stack into it is a relayout that took the TPU compiler 5 s
+    per stack of sixteen 256 x 1024 matrices (0.4 s into a 1-D buffer)."""
 
     momentum: jax.Array
     second_moment: jax.Array
@@ -70,10 +74,11 @@ def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
 
 
 def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict,
-                  scales: dict, p_leaves, updates: list) -> None:
-    """Steps 8-9 per Muon leaf, in its own layout: ``adaptive``'s ``<U, O>`` (summed over
-    the leaf, ``scales``) and the cautious update, into ``updates``."""
-    for m in plan.muon:
+                  scales: dict, p_leaves, updates: list, only=None) -> None:
+    """Steps 8-9 per Muon leaf (``only`` these, else all), in its own layout:
+    ``adaptive``'s ``<U, O>`` (summed over the leaf, ``scales``) and the cautious update,
+    into ``updates``."""
+    for m in plan.muon if only is None else only:
         hp, o = hps[m.group], directions[m.index]
         if m.index in scales:
             o = o.astype(jnp.float32) * scales[m.index]
@@ -81,16 +86,49 @@ def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict
                                        rows=m.rows, cols=m.cols, cfg=configs[m.group])
 
 
-def _stack_step(sp: StackPlan, bufs: MuonBuffers, g: jax.Array, hps, count):
-    """One stack, all its matrices: the direction, the new buffers and ``<U, O>``. The
-    kernel takes the momentum in the buffer's flat layout (updated in place)."""
-    st = sp.stack
-    second = bufs.second_moment.reshape((st.size,) + sp.second_shape)
-    hp = matrix_hparams(st, hps, np.arange(st.size)[None], lambda t: np.asarray(t)[0])
-    o, state, d = muon_step(g, MuonStackState(bufs.momentum, second), hp, st.config, count,
-                            st.dtype)
+def chunk_bytes(plan: TreePlan) -> int:
+    """The budget of one chunk: the largest Muon matrix's float32 bytes. The step's
+    temporaries then scale with one large matrix, as optax's do, while smaller matrices
+    still go several to a batched chunk."""
+    return max([1] + [4 * sp.stack.rows * sp.stack.cols for sp in plan.owner.stacks])
+
+
+def chunks(size: int, matrix_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of a stack's ``size`` matrices, each at most ``budget``
+    bytes (at least one matrix)."""
+    per = max(1, budget // matrix_bytes)
+    return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
+
+
+def _pieces(st: Stack, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``(member, first, last)``: the members' matrices among stack slots ``lo .. hi-1``
+    (``first .. last-1`` of that member's batch)."""
+    out, start = [], 0
+    for i, m in enumerate(st.members):
+        a, b = max(lo, start), min(hi, start + m.batch)
+        if a < b:
+            out.append((i, a - start, b - start))
+        start += m.batch
+    return out
+
+
+def _chunk_step(sp: StackPlan, bufs: MuonBuffers, g: jax.Array, lo: int, hi: int, hps,
+                count):
+    """Slots ``lo .. hi-1`` of one stack: the kernel on their matrices of the stack's
+    state buffers (in the stack's layout), written back in place once read."""
+    st, whole = sp.stack, (lo, hi) == (0, sp.stack.size)
+    state = MuonStackState(bufs.momentum, bufs.second_moment)
+    if not whole:
+        state = MuonStackState(bufs.momentum[lo:hi], bufs.second_moment[lo:hi])
+    hp = matrix_hparams(st, hps, np.arange(lo, hi)[None], lambda t: np.asarray(t)[0])
+    o, state, d = muon_step(g, state, hp, st.config, count, st.dtype)
     # The second moment is written once O is computed: the old one is dead by then.
-    return o, MuonBuffers(state.momentum, after(state.second_moment.reshape(1, -1), o)), d
+    new_second = after(state.second_moment, o)
+    if whole:
+        return o, MuonBuffers(state.momentum, new_second), d
+    return o, MuonBuffers(
+        jax.lax.dynamic_update_slice_in_dim(bufs.momentum, state.momentum, lo, axis=0),
+        jax.lax.dynamic_update_slice_in_dim(bufs.second_moment, new_second, lo, axis=0)), d
 
 
 def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_leaves,
@@ -99,20 +137,36 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
     """Every Muon leaf on one device: fills ``updates``; returns the new state buffers
     (one pair per stack). ``scale``: ``max_grad_norm``'s factor, or None.
 
-    Stacks run one after another: each stacking copy waits for the previous stack's
-    direction, so one stack's temporaries are alive at a time.
+    Each stack runs in chunks of at most :func:`chunk_bytes` (its matrices batched), one
+    after another, and a leaf takes its update as soon as its last matrix is through:
+    each chunk's stacking copy waits for the previous chunk's updates, so one chunk's
+    temporaries and directions are alive at a time, and the compiled program holds one
+    small kernel per chunk instead of a stack-sized one.
     """
     bufs = dict(zip(plan.state_keys, state_muon))
-    directions, scales, prev = {}, {}, None
+    budget = chunk_bytes(plan)
+    prev = None
     for sp in plan.owner.stacks:
-        st = sp.stack
-        g = scaled(st.stack([after(g_leaves[m.index], prev) for m in st.members]), scale)
-        prev, bufs[sp.state_key], d = _stack_step(sp, bufs[sp.state_key], g, hps, count)
-        first = 0
-        for m, o in zip(st.members, st.unstack(prev)):
-            directions[m.index] = o
-            if d is not None:
-                scales[m.index] = jnp.sum(d[first:first + m.batch])
-            first += m.batch
-    finish_leaves(plan, configs, hps, directions, scales, p_leaves, updates)
+        st, pieces, duals = sp.stack, {}, {}
+        for lo, hi in chunks(st.size, 4 * st.rows * st.cols, budget):
+            parts = _pieces(st, lo, hi)
+            g = jnp.concatenate([st.members[i].to_stored(after(g_leaves[
+                st.members[i].index], prev))[a:b] for i, a, b in parts])
+            o, bufs[sp.state_key], d = _chunk_step(sp, bufs[sp.state_key],
+                                                   scaled(g, scale), lo, hi, hps, count)
+            first, done = 0, []
+            for i, a, b in parts:
+                pieces.setdefault(i, []).append(o[first:first + b - a])
+                if d is not None:
+                    duals.setdefault(i, []).append(d[first:first + b - a])
+                first += b - a
+                if b == st.members[i].batch:
+                    done.append(i)
+            for i in done:   # leaves whose matrices are all through
+                m = st.members[i]
+                o_leaf = m.from_stored(jnp.concatenate(pieces.pop(i)))
+                scales = {m.index: sum(jnp.sum(x) for x in duals.pop(i))} if duals else {}
+                finish_leaves(plan, configs, hps, {m.index: o_leaf}, scales, p_leaves,
+                              updates, only=(m,))
+            prev = updates[st.members[done[-1]].index] if done else o
     return tuple(bufs.values())

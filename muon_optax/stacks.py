@@ -23,7 +23,7 @@ from muon_optax.muon import MuonStackState, muon_step
 from muon_optax.order import after
 from muon_optax.plan import StackPlan, TreePlan
 from muon_optax.sharding import Collectives, varying_axes
-from muon_optax.single import MuonBuffers, finish_leaves, matrix_hparams
+from muon_optax.single import MuonBuffers, chunk_bytes, chunks, finish_leaves, matrix_hparams
 from muon_optax.transport import Transports
 
 
@@ -37,8 +37,8 @@ def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
 
 def _slice(buf: jax.Array, start, size: int) -> jax.Array:
     if isinstance(start, int):
-        return buf[:, start:start + size]
-    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=1)
+        return buf[start:start + size]
+    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=0)
 
 
 def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
@@ -56,8 +56,8 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     ``ready`` or ``x``, so waiting for ``ready`` lets XLA update the buffer without
     copying it.
     """
-    x = after(x, ready).reshape(1, -1).astype(buf.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=1)
+    x = after(x, ready).reshape(-1).astype(buf.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
 def _owned_slot(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
@@ -79,33 +79,32 @@ def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
     return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
 
 
-def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev):
-    """The ``base`` slots every device owns, as one batched program. The new momentum
-    goes into its buffer as soon as ``U`` is formed, before the polar iteration starts."""
-    n, at = sp.base, _state_at(k, sp, plan, comm, 0)
-    g, state = moves.load(k, 0, n, prev), _read_state(bufs, at, n, sp)
-    whole = isinstance(at[0], int) and at[0] == 0 and bufs.momentum.shape[1] == g.size
-    if whole:
-        # The stack's momentum is a buffer of its own (one device): the kernel updates it
-        # in the buffer's flat layout, in place. In the stack's layout XLA would compute
-        # it twice (for U and for the buffer) and copy the old buffer first.
-        state = state._replace(momentum=bufs.momentum)
+def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev,
+                j0: int, n: int):
+    """Slots ``j0 .. j0+n-1`` of the ``base`` ones every device owns, as one batched
+    program. The new momentum goes into its buffer as soon as ``U`` is formed, before the
+    polar iteration starts."""
+    at = _state_at(k, sp, plan, comm, j0)
+    g, state = moves.load(k, j0, n, prev), _read_state(bufs, at, n, sp)
     o, state, d = muon_step(g, state, hp, sp.stack.config, count, sp.stack.dtype)
-    bufs = MuonBuffers(state.momentum if whole else _write(bufs.momentum, at[0], state.momentum),
+    bufs = MuonBuffers(_write(bufs.momentum, at[0], state.momentum),
                        _write(bufs.second_moment, at[1], state.second_moment, o))
-    moves.store(k, 0, o)
+    moves.store(k, j0, o)
     return bufs, o, d
 
 
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: MuonBuffers,
                 hps, comm: Collectives, count, prev):
-    """One stack's owned slots: the first ``base`` batched, the rest one by one, each
-    skipped (``lax.cond``) on devices that own fewer. Returns the state buffers, the
-    last direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
+    """One stack's owned slots: the first ``base`` batched in chunks of at most
+    :func:`muon_optax.single.chunk_bytes` (one after another, so one chunk's temporaries
+    are alive at a time), the rest one by one, each skipped (``lax.cond``) on devices
+    that own fewer. Returns the state buffers, the last direction (to sequence the next
+    stack) and the slots' ``<U, O>`` (adaptive)."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
-    if sp.base:
-        hp = matrix_hparams(sp.stack, hps, sp.slots[:, :sp.base], comm.pick)
-        bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev)
+    for lo, hi in chunks(sp.base, 4 * sp.stack.rows * sp.stack.cols, chunk_bytes(plan)):
+        hp = matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
+        bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev, lo,
+                                    hi - lo)
         duals.append(d)
     counts = comm.pick(sp.counts)
     for j in range(sp.base, sp.num_slots):
@@ -153,7 +152,7 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
     """Muon leaves, their gradients read through ``moves``: fills ``updates``; returns
     the new state buffers. The collectives of a channel carry every stack's matrices at
     once."""
-    bufs = dict(zip(plan.state_keys, state.muon))   # each (1, L): updated in place
+    bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
     prev, duals = None, {}
     for k, sp in enumerate(plan.owner.stacks):
         key = sp.state_key

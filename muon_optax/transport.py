@@ -170,12 +170,15 @@ class GatherSource:
             start = self.comm.pick(self.channel.offsets[k])
             x = _dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
             return x.reshape(n, st.rows, st.cols)
+        mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
+        if isinstance(mine, np.ndarray):   # the same slots on every device (one device)
+            # Only these slots are stacked: a chunk's copy, not the stack's.
+            return jnp.concatenate([st.members[i].to_stored(after(
+                self.leaves[st.members[i].index], prev))[lo:hi]
+                for i, lo, hi in _member_runs(st, mine.reshape(-1))])
         # One stack's stacking copy at a time: it waits for the previous stack.
         if k not in self.cache:
             self.cache[k] = st.stack([after(self.leaves[m.index], prev) for m in st.members])
-        mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
-        if isinstance(mine, np.ndarray):   # the same slots on every device (one device)
-            return _take(self.cache[k], mine)
         return jnp.take(self.cache[k], mine, axis=0)
 
 

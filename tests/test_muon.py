@@ -100,7 +100,7 @@ def _torch_step(torch, peer_cls, P, G, buf, s):
 def test_bf16_compute_step_against_float64_rule_and_torch_peer(shape, monkeypatch):
     # The accelerators' default program on CPU: bf16 polar iteration, one batched
     # (K, R, C) program instead of CPU's per-matrix one.
-    monkeypatch.setattr(polar, "CPU_PER_MATRIX_MAX", 0)
+    monkeypatch.setattr(polar, "FORCE_FORM", "accelerator")
     torch, peer_cls = _torch_peer()
     rng = np.random.default_rng(sum(shape))
     R, C = shape
@@ -143,7 +143,7 @@ def test_bf16_step_has_no_bf16_scalars(param_dtype, monkeypatch):
     # rounded to bf16 anywhere in the step (the polar coefficients were).
     import re
 
-    monkeypatch.setattr(polar, "CPU_PER_MATRIX_MAX", 0)
+    monkeypatch.setattr(polar, "FORCE_FORM", "accelerator")
     params = {"w": jnp.ones((3, 16, 48), param_dtype), "v": jnp.ones((48, 16), param_dtype),
               "b": jnp.ones(16, param_dtype)}
     groups = {"m": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,

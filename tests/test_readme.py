@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 import muon_optax
 
@@ -70,7 +71,7 @@ def test_zero2_snippet_step_equals_one_device_on_the_global_batch():
 
 
 def test_contrib_snippet_runs():
-    ns = run(block("muon_optax.contrib_muon("))
+    ns = run(block("muon_optax.contrib_muon(learning_rate=0.02, weight_decay=0.1, preconditioning"))
     assert "params" in ns and "state" in ns
 
 
@@ -150,6 +151,36 @@ def test_blocks_snippet_runs_and_cuts_as_its_comments_say():
     grads = jax.tree.map(lambda x: x + 0.01, params)
     updates, _ = tx.update(grads, ns["state"], params)
     assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+
+
+def test_optax_move_snippet_continues_and_returns():
+    ns = run(block("as_optax=True)   # and back to optax"))
+    assert jax.tree.structure(ns["back"]) == jax.tree.structure(ns["theirs"].init(ns["params"]))
+    assert int(ns["back"].inner_states["muon"].inner_state[0].count) == 3
+    assert int(ns["state"].count) == 2
+
+
+def test_torch_muon_snippet_runs_and_equals_torch_where_installed():
+    """The snippet's matrices step as torch.optim.Muon's (with a float32 iteration, where
+    torch is installed); its biases as AdamW's first step (lr times the gradient's sign)."""
+    code = block("muon_optax.torch_muon(lr=0.02")
+    setup, last = code.rstrip().rsplit("\n", 1)
+    ns = run(setup)
+    before = ns["params"]
+    exec(compile(last, "docs torch_muon snippet", "exec"), ns)
+    for name in ("fc", "proj"):
+        np.testing.assert_allclose(ns["params"][name]["bias"],
+                                   -3e-4 * np.sign(ns["grads"][name]["bias"]), atol=1e-6)
+    pytest.importorskip("torch")
+    from test_torch_muon import run_torch
+
+    flat = {name: before[name]["weight"] for name in ("fc", "proj")}
+    want = run_torch(flat, 1, dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+                     float32=True, grads_of=lambda t: {k: ns["grads"][k]["weight"] for k in flat})
+    for name in flat:
+        change = want[name] - np.asarray(flat[name])
+        diff = np.asarray(ns["params"][name]["weight"]) - want[name]
+        assert np.linalg.norm(diff) <= 1e-4 * np.linalg.norm(change), name
 
 
 def test_testing_guide_chex_test_runs_and_shift_is_only_noise():

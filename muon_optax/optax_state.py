@@ -1,0 +1,322 @@
+"""``optax.contrib.muon``'s state in and out of :func:`muon_optax.contrib_muon`'s.
+
+optax keeps its Muon as ``optax.partition`` of two chains, so its state is
+
+    PartitionState({"muon": MaskedState((MuonState(count, mu, ns_coeffs), EmptyState(),
+                                          <decay>, <lr>)),
+                    "adam": MaskedState((ScaleByAdamState(count, mu, nu), EmptyState(),
+                                          <lr>))})
+
+with ``MaskedNode()`` where a leaf belongs to the other side, ``<decay>`` an
+``EmptyState()`` (a ``MaskedState`` of one when ``weight_decay_mask`` is given) and
+``<lr>`` an ``EmptyState()`` or, for a schedule, ``ScaleByScheduleState(count)``.
+The numbers are the same as :func:`muon_optax.export_state`'s portable form (optax's
+``MuonState.mu`` is the Muon momentum, leaf-shaped; Adam's moments are Adam's), so a
+conversion is the portable form with other names. What differs:
+
+- optax counts steps in each of its parts (two, or up to four with schedules); they
+  advance together, and muon_optax keeps one. Counts that differ are refused.
+- ``MuonState.ns_coeffs`` holds the coefficients; they must be the ones ``tx`` runs.
+- what optax's state does not show cannot be checked: ``adaptive``, ``preconditioning``,
+  ``beta``, ``eps``, ``consistent_rms``, the decay and Adam numbers.
+- a ``skip_nonfinite`` state's count of skipped steps has no place in optax's: an
+  export drops it and an import starts it at 0.
+
+Wrappers (``optax.chain``, ``optax.inject_hyperparams``, ...) keep the state of what they
+wrap as a subtree of their own; the conversion replaces that subtree and leaves the
+wrapper's part (its counters, its injected hyperparameters) as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+from optax.transforms import MaskedNode, MaskedState, PartitionState
+
+from muon_optax.contrib import ADAM, MUON, MUON_NO_DECAY
+from muon_optax.engine import MuonAdamWState
+from muon_optax.labels import path_str
+from muon_optax.wrapped import locate
+
+_SIDES = ("adam", "muon")
+
+
+def is_optax_muon_state(x: Any) -> bool:
+    """Whether ``x`` is the state of one ``optax.contrib.muon`` (its ``PartitionState``)."""
+    return (isinstance(x, PartitionState) and isinstance(x.inner_states, dict)
+            and sorted(x.inner_states) == list(_SIDES))
+
+
+def holds_optax_muon_state(tree: Any) -> bool:
+    """Whether ``optax.contrib.muon``'s state is ``tree`` or inside it."""
+    return any(is_optax_muon_state(x)
+               for x in jax.tree.leaves(tree, is_leaf=is_optax_muon_state))
+
+
+def _check_contrib(init: Any, where: str) -> None:
+    opts = init.options
+    if opts.name != "contrib_muon" or not set(opts.configs) <= {MUON, MUON_NO_DECAY, ADAM}:
+        raise TypeError(f"{where}: optax.contrib.muon's state belongs to "
+                        "muon_optax.contrib_muon (its rule and groups); this is "
+                        f"muon_optax.{opts.name}. Build the transformation with "
+                        "muon_optax.contrib_muon and the optax run's arguments.")
+
+
+def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any, Any]:
+    """``(tx, params)`` of the one contrib_muon inside ``tx`` (``tx`` itself, or in a
+    chain or wrapper), with the params it sees; and the shape structs of ``tx``'s whole
+    state (traced without calling any init, so a ZeRO-2 one outside shard_map too)."""
+    def shapes_of(init, seen):
+        _check_contrib(init, where)
+        opts = init.options
+        mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
+        return init.global_shapes(seen, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
+
+    found, shapes = locate(tx, params, shapes_of)
+    if len(found) != 1:
+        raise TypeError(f"{where}: found {len(found)} muon_optax transformations in tx; "
+                        "optax.contrib.muon's state converts to and from exactly one "
+                        "muon_optax.contrib_muon (alone, or in a chain or wrapper).")
+    init = found[0].init
+    inner_params = params if init is getattr(tx, "init", None) else found[0].params
+    return optax.GradientTransformation(init, None), inner_params, shapes
+
+
+# optax keeps no public name for add_decayed_weights' schedule state: take its type.
+_DECAY_SCHEDULE = type(optax.add_decayed_weights(lambda count: 0.0).init(None))
+
+
+def _coeff_rows(tx: Any) -> np.ndarray:
+    return np.asarray(tx.init.configs[MUON].coeffs, np.float32)
+
+
+def _rest(tx: Any, count: Any) -> dict[str, tuple[tuple[str, Any], ...]]:
+    """Per side of optax's partition, what its chain keeps after the moments, named by
+    the argument that decides it: ``(argument, state)``."""
+    configs = tx.init.configs
+
+    def counted(value: Any, state_type: Any) -> Any:
+        return state_type(count=count) if callable(value) else optax.EmptyState()
+
+    muon, adam = configs[MUON], configs[ADAM]
+    decay = counted(muon.weight_decay, _DECAY_SCHEDULE)
+    if MUON_NO_DECAY in configs:
+        decay = MaskedState(decay)
+    return {"muon": (("scale_by_shape", optax.EmptyState()),
+                     ("weight_decay, weight_decay_mask", decay),
+                     ("learning_rate", counted(muon.lr, optax.ScaleByScheduleState))),
+            "adam": (("adam_weight_decay", counted(adam.weight_decay, _DECAY_SCHEDULE)),
+                     ("adam_learning_rate (or learning_rate)",
+                      counted(adam.lr, optax.ScaleByScheduleState)))}
+
+
+def _describe(state: Any) -> str:
+    kinds = {optax.EmptyState: "a constant (EmptyState)", MaskedState: "masked (MaskedState)",
+             optax.ScaleByScheduleState: "a schedule (ScaleByScheduleState)",
+             _DECAY_SCHEDULE: "a schedule (WeightDecaySchedule)"}
+    text = kinds.get(type(state), type(state).__name__)
+    if isinstance(state, MaskedState):
+        text += f" of {_describe(state.inner_state)}"
+    return text
+
+
+def _check_structure(tx: Any, state: PartitionState, where: str) -> list[tuple[str, Any]]:
+    """optax's state has the parts ``tx``'s arguments make, or an error naming the
+    argument that differs. Returns every step count it holds, named."""
+    chains = {side: state.inner_states[side].inner_state for side in ("muon", "adam")}
+    first = {"muon": optax.contrib.MuonState, "adam": optax.ScaleByAdamState}
+    want = _rest(tx, jnp.int32(0))
+    for side, chain in chains.items():
+        if not (isinstance(state.inner_states[side], MaskedState) and isinstance(chain, tuple)
+                and len(chain) == 1 + len(want[side]) and isinstance(chain[0], first[side])):
+            raise ValueError(f"{where}: this PartitionState is not optax.contrib.muon's "
+                             "(optax 0.2.8: a Muon chain of 4 states and an AdamW chain of 3).")
+    counts = [("MuonState.count", chains["muon"][0].count),
+              ("ScaleByAdamState.count", chains["adam"][0].count)]
+    for side, chain in chains.items():
+        for (name, expected), given in zip(want[side], chain[1:]):
+            if jax.tree.structure(given) != jax.tree.structure(expected) \
+                    or _describe(given) != _describe(expected):
+                raise ValueError(
+                    f"{where}: {name}: the optax run's state holds {_describe(given)} there, "
+                    f"this contrib_muon {_describe(expected)}: pass the optax run's {name} "
+                    "(a schedule's state counts its steps; a mask adds a MaskedState).")
+            counts += [(f"{name} count", c) for c in jax.tree.leaves(given)]
+    return counts
+
+
+def _concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_counts(counts: list[tuple[str, Any]], where: str) -> None:
+    values = {name: int(c) for name, c in counts if _concrete(c)}
+    if len(set(values.values())) > 1:
+        raise ValueError(f"{where}: the step counts in optax's state differ ({values}); "
+                         "muon_optax keeps one count for all parameters. Was the state "
+                         "assembled from several runs?")
+
+
+def _check_coeffs(tx: Any, ns_coeffs: Any, where: str) -> None:
+    if not _concrete(ns_coeffs):
+        return
+    have = np.asarray(ns_coeffs, np.float32)
+    want = _coeff_rows(tx)
+    same = (have.shape == (3,) and (want == have).all()) or np.array_equal(have, want)
+    if not same:
+        raise ValueError(f"{where}: the optax run's state holds ns_coeffs {have.tolist()}, "
+                         f"but contrib_muon runs {want.tolist()} (one row per "
+                         "Newton-Schulz step): pass the optax run's ns_coeffs and ns_steps.")
+
+
+def _side(tree: Any, treedef: Any, paths: list[str], index: set[int], name: str,
+          kind: str, where: str) -> list[Any]:
+    """One moment of optax's state as a portable list: the leaf where ``index`` holds it,
+    None where optax holds ``MaskedNode()``; an error if they disagree."""
+    try:
+        leaves = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: optax's {name} does not have the params' structure; "
+                         "was the state made for other params?") from e
+    out = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, MaskedNode) != (i not in index):
+            runs = "does not run" if isinstance(x, MaskedNode) else "runs"
+            raise ValueError(
+                f"{where}: the optax run {runs} {kind} on {paths[i]!r} (its {name} shows it), "
+                "unlike this contrib_muon: pass the same muon_weight_dimension_numbers "
+                "(None: the 2-D leaves are Muon's, the others Adam's).")
+        out.append(None if isinstance(x, MaskedNode) else x)
+    return out
+
+
+def _check_dtypes(want: dict, portable: dict, params: Any, paths: list[str],
+                  where: str) -> None:
+    treedef = jax.tree.structure(params)
+    for name, optax_name in (("momentum", "MuonState.mu"), ("mu", "ScaleByAdamState.mu"),
+                             ("nu", "ScaleByAdamState.nu")):
+        for path, w, g in zip(paths, treedef.flatten_up_to(want[name]),
+                              treedef.flatten_up_to(portable[name])):
+            if w is None or g is None:
+                continue
+            if tuple(np.shape(g)) != tuple(w.shape):
+                raise ValueError(f"{where}: {optax_name} of {path!r} has shape "
+                                 f"{tuple(np.shape(g))}, expected {tuple(w.shape)}: the "
+                                 "optax state was made for other params.")
+            if jnp.dtype(g.dtype) != jnp.dtype(w.dtype):
+                raise ValueError(f"{where}: {optax_name} of {path!r} is {g.dtype} in the "
+                                 f"optax run's state, {w.dtype} in contrib_muon's: pass the "
+                                 "optax run's mu_dtype (None keeps the parameter's dtype).")
+
+
+def _portable_shapes(tx: Any, params: Any) -> dict:
+    """The shape structs of ``tx``'s portable state for ``params``."""
+    from muon_optax.portable import export_state
+
+    opts = tx.init.options
+    mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
+    shapes = tx.init.global_shapes(params, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
+    n = 1 if opts.axes is not None and opts.mesh is None else None
+    return jax.eval_shape(lambda s: export_state(tx, s, params, num_devices=n), shapes)
+
+
+def to_portable(tx: Any, state: PartitionState, params: Any, where: str) -> dict:
+    """optax's state of ``tx``'s arguments as :func:`muon_optax.export_state`'s form."""
+    counts = _check_structure(tx, state, where)
+    muon_state = state.inner_states["muon"].inner_state[0]
+    adam_state = state.inner_states["adam"].inner_state[0]
+    _check_counts(counts, where)
+    _check_coeffs(tx, muon_state.ns_coeffs, where)
+    want = _portable_shapes(tx, params)
+    treedef = jax.tree.structure(params)
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    muon_index = {i for i, x in enumerate(treedef.flatten_up_to(want["momentum"]))
+                  if x is not None}
+    adam_index = set(range(len(paths))) - muon_index
+    sides = {"momentum": (muon_state.mu, muon_index, "MuonState.mu", "Muon"),
+             "mu": (adam_state.mu, adam_index, "ScaleByAdamState.mu", "Adam"),
+             "nu": (adam_state.nu, adam_index, "ScaleByAdamState.nu", "Adam")}
+    portable = {k: treedef.unflatten(_side(tree, treedef, paths, index, name, kind, where))
+                for k, (tree, index, name, kind) in sides.items()}
+    portable["count"] = muon_state.count
+    _check_dtypes(want, portable, params, paths, where)
+    # contrib_muon has no NorMuon: its second moment is a placeholder of zeros.
+    portable["second_moment"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                             want["second_moment"])
+    return portable
+
+
+def from_portable(tx: Any, portable: dict, params: Any) -> PartitionState:
+    """:func:`muon_optax.export_state`'s form of a contrib_muon state as optax's state."""
+    treedef = jax.tree.structure(params)
+    count = jnp.asarray(portable["count"], jnp.int32)
+
+    def masked(tree: Any) -> Any:
+        return treedef.unflatten([MaskedNode() if x is None else x
+                                  for x in treedef.flatten_up_to(tree)])
+
+    rows = _coeff_rows(tx)
+    ns_coeffs = jnp.asarray(rows[0] if len(rows) > 1 and (rows == rows[0]).all() else rows)
+    rest = {side: tuple(part for _, part in parts) for side, parts in _rest(tx, count).items()}
+    muon_chain = (optax.contrib.MuonState(count=count, mu=masked(portable["momentum"]),
+                                          ns_coeffs=ns_coeffs),) + rest["muon"]
+    adam_chain = (optax.ScaleByAdamState(count=count, mu=masked(portable["mu"]),
+                                         nu=masked(portable["nu"])),) + rest["adam"]
+    return PartitionState({"muon": MaskedState(muon_chain), "adam": MaskedState(adam_chain)})
+
+
+def _replace(tree: Any, is_part: Any, new: Any) -> Any:
+    return jax.tree.map(lambda x: new if is_part(x) else x, tree, is_leaf=is_part)
+
+
+def _only(tree: Any, is_part: Any, what: str, where: str) -> Any:
+    parts = [x for x in jax.tree.leaves(tree, is_leaf=is_part) if is_part(x)]
+    if len(parts) != 1:
+        raise ValueError(f"{where}: found {len(parts)} {what} in the state; exactly one "
+                         "converts.")
+    return parts[0]
+
+
+def import_optax_state(tx: optax.GradientTransformation, optax_state: Any, params: Any,
+                       *, num_devices: int | None = None) -> Any:
+    """``tx``'s state from the state of ``optax.contrib.muon`` with the same arguments.
+
+    ``tx`` is a :func:`muon_optax.contrib_muon`, alone or wrapped as the optax one was
+    (``optax.chain``, ``optax.inject_hyperparams``, ...); the wrappers' own state is kept.
+    """
+    from muon_optax.portable import import_state
+
+    where = "import_state"
+    inner, inner_params, want = _inner(tx, params, where)
+    part = _only(optax_state, is_optax_muon_state, "optax.contrib.muon states", where)
+    is_ours = lambda x: isinstance(x, MuonAdamWState)  # noqa: E731
+    theirs_around = jax.tree.structure(_replace(optax_state, is_optax_muon_state, "muon"))
+    ours_around = jax.tree.structure(_replace(want, is_ours, "muon"))
+    if theirs_around != ours_around:
+        raise ValueError(
+            f"{where}: the wrappers around optax.contrib.muon's state ({theirs_around}, its "
+            f"state as *) are not tx's ({ours_around}). Wrap contrib_muon as "
+            "optax.contrib.muon was (the same chain, inject_hyperparams with the same "
+            "static_args).")
+    portable = to_portable(inner, part, inner_params, where)
+    state = import_state(inner, portable, inner_params, num_devices=num_devices)
+    return _replace(optax_state, is_optax_muon_state, state)
+
+
+def export_optax_state(tx: optax.GradientTransformation, state: Any, params: Any, *,
+                       num_devices: int | None = None) -> Any:
+    """A contrib_muon state (alone or in its wrappers' state) as ``optax.contrib.muon``'s
+    state with the same arguments (the wrappers' own state kept)."""
+    from muon_optax.portable import export_state
+
+    where = "export_state(as_optax=True)"
+    inner, inner_params, _ = _inner(tx, params, where)
+    is_ours = lambda x: isinstance(x, MuonAdamWState)  # noqa: E731
+    part = _only(state, is_ours, "muon_optax states", where)
+    portable = export_state(inner, part, inner_params, num_devices=num_devices)
+    return _replace(state, is_ours, from_portable(inner, portable, inner_params))
