@@ -22,8 +22,6 @@ for the Muon leaves that ``weight_decay_mask`` leaves out (the two share stacks)
 one :class:`~muon_optax.hparams.AdamWConfig` with optax's Adam options.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import operator
 from typing import Any
@@ -160,16 +158,68 @@ class _Split:
         return treedef.unflatten([ADAM if d is None else MUON if w else MUON_NO_DECAY
                                   for d, w in zip(dims, decayed)])
 
+    def reasons(self, params: Any) -> Any:
+        """Why each leaf went where it did (for :func:`muon_optax.describe`)."""
+        given = "muon_weight_dimension_numbers"
+        dims = self.dims(params)
+        decayed = self.decayed(params, dims)
+        why = [(f"{given} None" if self.spec is not None else "not 2-D (optax's rule)")
+               if d is None else (given if self.spec is not None else "2-D (optax's rule)")
+               + ("" if w else ", weight_decay_mask False") for d, w in zip(dims, decayed)]
+        return jax.tree.structure(params).unflatten(why)
+
     def dimension_numbers(self, params: Any) -> Any:
         return jax.tree.structure(params).unflatten(self.dims(params))
 
 
+class Fixed:
+    """A default that ``optax.inject_hyperparams`` leaves as it is: it injects ints, floats
+    and arrays, and this is none of them. Equal to (and shown as) its number.
+
+    ``contrib_muon``'s ``ns_steps`` and ``eps`` shape its compiled program, so they must
+    be known when it traces: with these defaults, ``optax.inject_hyperparams(contrib_muon)``
+    works without ``static_args``, as it does for ``optax.contrib.muon``.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int | float):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return self.value == (other.value if isinstance(other, Fixed) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def static_number(value: Any, name: str, where: str = "contrib_muon") -> Any:
+    """A number that shapes the program: a :class:`Fixed` default unwrapped, a concrete
+    0-d array (``optax.inject_hyperparams`` outside ``jax.jit``) read as a Python number,
+    or a clear error for a traced one."""
+    if isinstance(value, Fixed):
+        return value.value
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{where}: {name} arrives traced (optax.inject_hyperparams injects every number "
+            f"it is given, and this call runs under jax.jit), but {name} fixes the compiled "
+            f"program. Leave it at its default (which inject_hyperparams does not inject), "
+            f"or pass static_args=({name!r},) to optax.inject_hyperparams.")
+    if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
+        scalar = np.asarray(value).item()
+        return scalar
+    return value
+
+
 def contrib_muon(
-    learning_rate: Scalar,
+    learning_rate: optax.ScalarOrSchedule,
     ns_coeffs: Any = QUINTIC_COEFFS[0],
-    ns_steps: int = 5,
+    ns_steps: int = Fixed(5),  # type: ignore[assignment]
     beta: float = 0.95,
-    eps: float = 1e-8,
+    eps: float = Fixed(1e-8),  # type: ignore[assignment]
     weight_decay: Scalar = 0.0,
     weight_decay_mask: Any = None,
     mu_dtype: Any = None,
@@ -189,7 +239,7 @@ def contrib_muon(
     param_specs: Any = None,
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """``optax.contrib.muon`` on muon_optax's engine: a drop-in with the same updates.
 
     Arguments as ``optax.contrib.muon`` (optax 0.2.8), with its names and defaults; see
@@ -211,11 +261,24 @@ def contrib_muon(
       max_grad_norm, skip_nonfinite: clipping of the mean gradient and skipped non-finite
         steps, as in :func:`muon_optax.muon_adamw`.
 
+    Under ``optax.inject_hyperparams(contrib_muon)`` the numbers are injected as
+    optax's are, except those that fix the program: ``ns_steps`` and ``eps`` by default
+    are not injected (their defaults are not plain numbers); given explicitly, pass them
+    in ``static_args`` (optax's own tests do so for ``ns_steps``), as ``consistent_rms``
+    and an array ``ns_coeffs``.
+
     Returns:
-      An ``optax.GradientTransformation`` whose state is a
-      :class:`muon_optax.MuonAdamWState`; ``update`` needs ``params``.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`muon_optax.MuonAdamWState`; ``update`` needs ``params`` and ignores extra
+      keyword arguments (``value=loss``, ...), as optax's.
     """
     where = "contrib_muon"
+    ns_steps, eps = static_number(ns_steps, "ns_steps"), static_number(eps, "eps")
+    ns_coeffs = static_number(ns_coeffs, "ns_coeffs")
+    if isinstance(ns_coeffs, (jax.Array, np.ndarray)):
+        ns_coeffs = np.asarray(ns_coeffs).tolist()
+    if consistent_rms is not None:
+        consistent_rms = static_number(consistent_rms, "consistent_rms")
     coeffs = contrib_coefficients(ns_coeffs, ns_steps, where)
     check_preconditioning(preconditioning, where, CONTRIB_PRECONDITIONINGS)
     muon_cfg = MuonConfig.make(
@@ -236,6 +299,13 @@ def contrib_muon(
         configs[MUON_NO_DECAY] = dataclasses.replace(muon_cfg, weight_decay=0.0)
     check_owner_args(axis_name, mesh, where)
     split = _Split(muon_weight_dimension_numbers, weight_decay_mask)
-    return build(configs, split.labels, dimension_numbers=split.dimension_numbers,
-                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where,
-                 max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+    tx = build(configs, split.labels, dimension_numbers=split.dimension_numbers,
+               axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where,
+               max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+    inner = tx.update
+
+    def update(updates, state, params=None, **extra_args):
+        del extra_args  # optax's muon takes and ignores them
+        return inner(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)

@@ -9,6 +9,7 @@ import optax
 
 from muon_optax.engine import init_of
 from muon_optax.hparams import MuonConfig
+from muon_optax.variables import unbox, unboxed_structure
 
 
 def describe(tx: optax.GradientTransformation, params: Any, *,
@@ -17,7 +18,9 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
     """Each leaf's path, shape, group, how Muon sees it and which stack it joins.
 
     Prints a table to ``file`` (``None``: print nothing) and returns its rows, one dict
-    per leaf: ``path``, ``shape``, ``group``, ``kind`` (``"adamw"``/``"muon"``), and for
+    per leaf: ``path``, ``shape``, ``group``, ``why`` (why it is in that group: the rule
+    of :func:`muon_optax.label_by_path` that placed it, or ``"param_labels"`` for labels
+    given otherwise), ``kind`` (``"adamw"``/``"muon"``), and for
     Muon leaves ``matrices`` (how many: blocks count one each), ``matrix`` (``(out,
     in)``, of a block), ``blocks`` (``(output_blocks, reduction_blocks)``), ``stored`` (the
     stack's ``(R, C)`` layout, ``"transposed"`` when the leaf is stored as its
@@ -31,8 +34,8 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
     init = init_of(tx, "describe")
     plan = init.plan(params, num_devices)
     leaves = plan.treedef.flatten_up_to(params)
-    rows: list[dict[str, Any]] = [dict(path=p, shape=tuple(x.shape)) for p, x in
-                                  zip(plan.paths, leaves)]
+    rows: list[dict[str, Any]] = [dict(path=p, shape=tuple(x.shape), why=w) for p, x, w in
+                                  zip(plan.paths, leaves, _reasons(init.options, params))]
     for a in plan.adamw:
         rows[a.index].update(group=a.group, kind="adamw",
                              split="as laid out" if a.local else (
@@ -52,8 +55,19 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
     return rows
 
 
+def _reasons(opts: Any, params: Any) -> list[str]:
+    """Per leaf, why its labels put it in its group (as far as the labeller says)."""
+    labels = opts.param_labels
+    reasons = getattr(labels, "reasons", None) or getattr(
+        getattr(labels, "__self__", None), "reasons", None)
+    n = len(unboxed_structure(params).flatten_up_to(unbox(params)))
+    if reasons is None:
+        return ["param_labels"] * n
+    return unboxed_structure(params).flatten_up_to(unbox(reasons(params)))
+
+
 def _table(rows: list[dict[str, Any]], n: int, configs: dict[str, Any]) -> str:
-    header = ["path", "shape", "group", "Muon: matrices (out x in)", "stack"]
+    header = ["path", "shape", "group", "why", "Muon: matrices (out x in)", "stack"]
     if n > 1:
         header.append(f"owners of {n} devices")
     lines = []
@@ -69,7 +83,7 @@ def _table(rows: list[dict[str, Any]], n: int, configs: dict[str, Any]) -> str:
             seen, stack, owners = "AdamW", "-", r["split"]
         kind = "muon" if isinstance(configs[r["group"]], MuonConfig) else "adamw"
         line = [r["path"], "x".join(map(str, r["shape"])) or "()", f"{r['group']} ({kind})",
-                seen, stack] + ([owners] if n > 1 else [])
+                r["why"], seen, stack] + ([owners] if n > 1 else [])
         lines.append(line)
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -53,3 +53,25 @@ def is_dimension_numbers(x: Any) -> bool:
 def block_counts(dims: Any) -> tuple[int, int]:
     """``(reduction_blocks, output_blocks)``; ``(1, 1)`` for optax's dimension numbers."""
     return (getattr(dims, "reduction_blocks", 1), getattr(dims, "output_blocks", 1))
+
+
+def check_unused(dims: Any, path: str, group: str) -> None:
+    """Dimension numbers given for a leaf of AdamW group ``group`` are not used, but if
+    they are wrong in themselves (whatever the leaf) the caller meant something else:
+    raises naming the path."""
+    if dims is None:
+        return
+    where = (f"parameter {path!r} is in AdamW group {group!r}, which does not use its "
+             "dimension numbers, but they are invalid")
+    if not is_dimension_numbers(dims):
+        raise TypeError(f"{where}: expected MuonDimensionNumbers or None, got {dims!r}.")
+    for name, n in zip(("reduction_blocks", "output_blocks"), block_counts(dims)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{where}: {name} must be a positive int, got {n!r}. Fix "
+                             "them, or give None for this leaf.")
+    axes = [(a,) if isinstance(a, int) else tuple(a)
+            for a in (dims.reduction_axis, dims.output_axis)]
+    if set(axes[0]) & set(axes[1]):
+        raise ValueError(f"{where}: reduction_axis {dims.reduction_axis} and output_axis "
+                         f"{dims.output_axis} share an axis. Fix them, or give None for "
+                         "this leaf (or label it for a Muon group if it is a matrix).")

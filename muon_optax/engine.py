@@ -54,8 +54,10 @@ from muon_optax.sharding import (
     varying_axes,
 )
 from muon_optax.single import MuonBuffers
+from muon_optax.state_layout import StateLayout, layout_error, layout_of
 from muon_optax.transport import Transports
 from muon_optax.variables import unbox, unboxed_structure
+from muon_optax.warn import warn_if_split
 from muon_optax.wrapped import recorder
 
 
@@ -69,6 +71,9 @@ class MuonAdamWState(NamedTuple):
     :func:`muon_optax.export_state` gives the same state per parameter.
     ``skipped`` counts the steps skipped for a non-finite gradient (int32; None unless
     the optimizer was built with ``skip_nonfinite=True``); ``count`` does not count them.
+    ``layout``: the layout the state was made for (a :class:`StateLayout`, a node without
+    leaves, so part of the state's structure): ``update`` refuses a state made for
+    another one (:mod:`muon_optax.state_layout`).
     """
 
     count: jax.Array                       # int32 steps taken
@@ -76,6 +81,7 @@ class MuonAdamWState(NamedTuple):
     nu: Any
     muon: tuple[MuonBuffers, ...]
     skipped: Any = None
+    layout: StateLayout | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +175,11 @@ def check_state(plan: TreePlan, state: Any, want: Any, name: str,
     """A state made for these params (``dtypes``: theirs) and this layout, or a clear
     error."""
     got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
+    needed = want.layout if isinstance(want, MuonAdamWState) else None
+    other_layout = isinstance(state, MuonAdamWState) and state.layout != needed
+    if other_layout:   # the leaves first: a shape or dtype says more than a layout
+        want = want._replace(layout=state.layout)
+        want_def = jax.tree.structure(want)
     if got_def != want_def:
         raise ValueError(f"{name}: the state was made for other params or another optimizer "
                          f"(its structure differs); call tx.init on these params.\n"
@@ -188,6 +199,8 @@ def check_state(plan: TreePlan, state: Any, want: Any, name: str,
                 f"{name}: state leaf {jax.tree_util.keystr(path)} is {got.dtype}, but these "
                 f"params need {w.dtype}: a parameter changed dtype after tx.init{which}; "
                 "cast it back, or call tx.init on the params as they are now.")
+    if other_layout:
+        raise layout_error(name, state.layout, needed)
 
 
 # ------------------------------------------------------------------ AdamW
@@ -250,7 +263,7 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
         buffer_shapes(plan, key, per_device), (key[1], key[0])))) for key in plan.state_keys)
     count = jax.ShapeDtypeStruct((), jnp.int32)
     return MuonAdamWState(count, plan.treedef.unflatten(mu), plan.treedef.unflatten(nu),
-                          muon, count if skipped else None)
+                          muon, count if skipped else None, layout_of(plan))
 
 
 def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
@@ -280,7 +293,7 @@ def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],
     tree = plan.treedef.unflatten(moments)
     buffers = MuonBuffers(split_spec(0, axes), split_spec(0, axes))
     return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_keys),
-                          P() if skipped else None)
+                          P() if skipped else None, layout_of(plan))
 
 
 # ------------------------------------------------------------------ the step
@@ -413,7 +426,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
                                  p_view, state, updates)
     for m in plan.muon:   # from the block views back to the leaves
         updates[m.index] = updates[m.index].reshape(g_leaves[m.index].shape)
-    new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped)
+    new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped,
+                               state.layout)
     updates, new_state = select(stats.finite, updates, new_state, state)
     return plan.treedef.unflatten(updates), new_state
 
@@ -516,6 +530,8 @@ def local_fns(opts: Options):
 
     def init_fn(params):
         plan = tree_plan(opts, params, axes_here())
+        if opts.axes is None:
+            warn_if_split(plan.treedef.flatten_up_to(params), list(plan.paths), opts.name)
         if opts.axes is not None:
             _check_whole_params(plan, Collectives(opts.axes, where=opts.name),
                                 plan.treedef.flatten_up_to(params), opts.name)

@@ -16,10 +16,13 @@ import jax
 import numpy as np
 import optax
 
-from muon_optax.engine import init_of
+from muon_optax.engine import init_of, state_shapes
+from muon_optax.guard import stats_sent
+from muon_optax.jit_mode import entry_sent
 from muon_optax.labels import path_str
 from muon_optax.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
 from muon_optax.sharding import check_spec, normalize_spec
+from muon_optax.transport import Transports
 from muon_optax.variables import unbox, unboxed_structure
 
 # Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay),
@@ -27,7 +30,10 @@ from muon_optax.variables import unbox, unboxed_structure
 ADAMW_FLOPS_PER_ELEMENT = 20
 
 
-def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[TreePlan, Any]:
+def _plan(tx: Any, params: Any, num_devices: int,
+          param_specs: Any) -> tuple[TreePlan, Any, list]:
+    """The plan, the options, and each leaf's layout as given (``plan.specs`` holds the
+    one the engine reads it in: whole for a Muon leaf whose layout cuts its blocks)."""
     opts = init_of(tx, "estimate").options
     if opts.axes is None:
         raise ValueError("estimate: this transformation was built without axis_name, so it "
@@ -51,8 +57,9 @@ def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[Tre
             spec = normalize_spec(s, len(x.shape), path_str(path))
             check_spec(spec, x.shape, dict(axes), path_str(path))
             specs.append(spec)
-    return make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
-                          axes, specs, opts.threshold, "estimate"), opts
+    plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
+                          axes, specs, opts.threshold, "estimate")
+    return plan, opts, specs or [((),) * len(s) for s in plan.specs]
 
 
 def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
@@ -78,38 +85,42 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
       per device of each stack, and its members: each leaf's path, matrices and
       ``(output_blocks, reduction_blocks)``; a block is one matrix).
     """
-    plan, opts = _plan(tx, params, num_devices, param_specs)
+    plan, opts, given = _plan(tx, params, num_devices, param_specs)
     n = num_devices
     leaves = jax.tree.leaves(params)
     reduced = opts.mesh is not None
-    adamw_bytes, adamw_elements, sent = 4, 0, 0.0   # 4: the step count
+    sizes = dict(plan.axes)
+    local_shapes = [tuple(d // math.prod(sizes[a] for a in entry)
+                          for d, entry in zip(x.shape, spec))
+                    for x, spec in zip(leaves, plan.specs)]
+    # the state as init makes it on one device (engine.state_shapes, the one truth)
+    state = state_shapes(plan, local_shapes, [x.dtype for x in leaves], per_device=True,
+                         skipped=opts.skip_nonfinite)
+    state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                      for s in jax.tree.leaves(state))
+    adamw_elements, sent = 0, 0.0
     for a in plan.adamw:
-        x = leaves[a.index]
-        itemsize = np.dtype(x.dtype).itemsize
-        if a.local:
-            local = math.prod(x.shape) // math.prod(
-                math.prod(dict(plan.axes).get(ax, 1) for ax in entry)
-                for entry in plan.specs[a.index])
-        elif a.axis is not None:
-            local = math.prod(a.padded) // n
+        itemsize = np.dtype(leaves[a.index].dtype).itemsize
+        local = math.prod(local_shapes[a.index]) if a.local or a.axis is None else \
+            math.prod(a.padded) // n
+        if not a.local and a.axis is not None:
             sent += (n - 1) * local * itemsize * (1 if reduced else 2)   # (RS +) AG
-        else:
-            local = math.prod(a.shape)
+        elif not a.local:
             sent += 0 if reduced else 2 * (n - 1) / n * local * itemsize   # all-reduce
-        adamw_bytes += local * (itemsize + np.dtype(a.mu_dtype or x.dtype).itemsize)
         adamw_elements += local
-    muon_bytes = 0
-    for key in plan.state_keys:
-        muon_bytes += (plan.owner.momentum[key].length * np.dtype(key[1]).itemsize
-                       + plan.owner.second[key].length * np.dtype(key[0]).itemsize)
-    for dt, ch in plan.owner.gather.items():
-        sent += (n - 1) * ch.length * np.dtype(dt).itemsize * (1 if reduced else 2)
-    for kind in (plan.owner.exchange, plan.owner.back):
-        for dt, ch in kind.items():
-            sent += (n - 1) * ch.length * np.dtype(dt).itemsize
+    sent += Transports.sent(plan.owner, reduced)
+    sent += entry_sent(plan, given, sizes, [math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                                            for x in leaves])
+    if opts.max_grad_norm is not None or opts.skip_nonfinite:
+        if reduced:   # each leaf split where it lies sums its part
+            partial = sum(1 for spec in given if any(spec))
+        else:         # one psum over the reduce-scattered shares
+            partial = int(bool(plan.owner.gather) or any(a.axis is not None and not a.local
+                                                         for a in plan.adamw))
+        sent += stats_sent(n, partial)
     program = plan.owner.program_flops() + ADAMW_FLOPS_PER_ELEMENT * adamw_elements
     return {
-        "state_bytes": [adamw_bytes + muon_bytes] * n,
+        "state_bytes": [state_bytes] * n,
         "muon_flops": plan.owner.device_flops(matrix_flops),
         "collective_bytes": [sent] * n,
         "program_flops": program,

@@ -58,6 +58,16 @@ def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> Grad
     return GradStats(scale, total[1] == 0 if skip else None)
 
 
+def stats_sent(num_devices: int, partial_sums: int) -> float:
+    """Bytes one device sends for the statistics: one all-reduce (ring) of
+    ``partial_sums`` float32 pairs ``[sum of g^2, non-finite count]``. ZeRO-2
+    (:func:`from_sums` after one ``psum``): one pair. The ``mesh=`` form
+    (:func:`global_stats` on the global arrays): XLA sums each leaf split over the
+    devices where it lies and all-reduces its pair."""
+    n = num_devices
+    return 2 * (n - 1) / n * 2 * 4 * partial_sums
+
+
 def global_stats(grads: Any, max_grad_norm: float | None, skip: bool) -> GradStats:
     """:class:`GradStats` of gradients that are the mean already (one device, ``mesh=``)."""
     return from_sums(sums(jax.tree.leaves(grads)), max_grad_norm, skip)
@@ -91,7 +101,9 @@ def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
     if max_grad_norm is None:
         return None
     if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:
-        return max_grad_norm
+        # traced (optax.inject_hyperparams under jax.jit): no value to check here
+        if isinstance(max_grad_norm, jax.core.Tracer) or float(max_grad_norm) > 0:
+            return max_grad_norm
     if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
             or not max_grad_norm > 0:
         raise ValueError(f"{where}: max_grad_norm must be a positive number (the largest "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -107,6 +108,19 @@ def wrap_in_shard_map(opts: Options):
             placed(grads, plan), placed_state(state, sspecs), placed(params, plan), extras)
 
     return init, update
+
+
+def entry_sent(plan: TreePlan, given: list, sizes: dict[str, int], nbytes: list[int]) -> float:
+    """Bytes one device sends as XLA moves the leaves into the layouts the engine reads
+    them in (``in_specs``, ``plan.specs``): a leaf given split (``given``) but read whole
+    (a Muon leaf whose layout cuts its blocks) has its gradient and its param
+    all-gathered (ring: ``(g - 1) / g`` of each, ``g`` devices in the group)."""
+    total = 0.0
+    for spec, used, size in zip(given, plan.specs, nbytes):
+        g = math.prod(sizes[a] for entry in spec for a in entry)
+        if g > 1 and not any(used):
+            total += 2 * (g - 1) / g * size
+    return total
 
 
 def _array_hparams(opts: Options) -> dict[str, Any]:

@@ -53,6 +53,10 @@ OTHER_MODULES = re.compile(r"(^|_)(embeds?|embeddings?|unembed|unembedding|wte|w
                            re.IGNORECASE)
 
 
+# Path components of embedding tables (whose first axis is the vocabulary).
+EMBEDDINGS = re.compile(r"(^|_)(embeds?|embeddings?|emb|wte)$", re.IGNORECASE)
+
+
 def _leaf_name(name: str) -> str:
     """The last component of a ``/``-joined path: the parameter's own name."""
     return name.rsplit("/", 1)[-1]
@@ -77,7 +81,11 @@ def label_by_path(
         leaf's ``/``-joined path; the first match names the leaf's group.
       matrix: group of an unmatched leaf with two or more axes (a ``kernel``, a
         ``weight``), unless its name says otherwise (below).
-      other: group of an unmatched scalar or vector leaf, and of an unmatched leaf
+      other: group of an unmatched scalar or vector leaf, of an output head that no name
+        gives away (the only 2-D leaf of an embedding table's shape, transposed or not,
+        the table a 2-D leaf with more rows than columns under a path component named
+        ``embedding``, ``embed``, ``emb``, ``wte``, ...: the JAX AI stack's
+        ``output_layer/kernel``), and of an unmatched leaf
         whose last path component names a bias, a scale or an embedding (``bias``,
         ``scale``, ``embedding``, ``embed``, or ending in ``_bias``, ``_scale``,
         ``_embedding``, ``_embed``), whatever its rank: a scanned layer's ``(L, d)``
@@ -90,6 +98,8 @@ def label_by_path(
 
         labels = label_by_path([("wte", "embed"), ("lm_head", "head"),
                                 ("lambdas", "scalars")], matrix="matrix")
+
+    :func:`muon_optax.describe` shows why each leaf got its label.
     """
     compiled = []
     for rule in rules:
@@ -101,16 +111,66 @@ def label_by_path(
         except re.error as e:
             raise ValueError(f"label_by_path: bad regex {pattern!r}: {e}.") from e
 
-    def label(path, leaf) -> str:
-        name = path_str(path)
-        for pattern, group in compiled:
-            if pattern.search(name):
-                return group
-        if _by_name(name):
-            return other
-        return matrix if getattr(leaf, "ndim", 0) >= 2 else other
+    return PathLabels(tuple(compiled), matrix, other)
 
-    return lambda params: jax.tree_util.tree_map_with_path(label, params)
+
+class PathLabels:
+    """``params -> labels`` of :func:`label_by_path`; :meth:`reasons` says why."""
+
+    def __init__(self, rules: tuple, matrix: str, other: str):
+        self.rules, self.matrix, self.other = rules, matrix, other
+
+    def __call__(self, params: Any) -> Any:
+        return jax.tree.map(lambda pair: pair[0], self._decide(params),
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    def reasons(self, params: Any) -> Any:
+        """The params' tree with, at every leaf, why it got its label (for
+        :func:`muon_optax.describe`)."""
+        return jax.tree.map(lambda pair: pair[1], self._decide(params),
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    def _decide(self, params: Any) -> Any:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        names = [path_str(p) for p, _ in flat]
+        head = _vocabulary_head(names, [x for _, x in flat])
+        out = []
+        for i, (name, (_, leaf)) in enumerate(zip(names, flat)):
+            out.append(self._one(name, leaf, head if head and head[0] == i else None))
+        return treedef.unflatten(out)
+
+    def _one(self, name: str, leaf: Any, head: tuple | None) -> tuple[str, str]:
+        for pattern, group in self.rules:
+            if pattern.search(name):
+                return group, f"rule {pattern.pattern!r}"
+        if OTHER_NAMES.search(_leaf_name(name)):
+            return self.other, "named as a bias, scale or embedding"
+        if any(OTHER_MODULES.search(part) for part in name.split("/")):
+            return self.other, "in an embedding or head module (by name)"
+        if head is not None:
+            return self.other, (f"output head: the only matrix with a side of the vocabulary "
+                                f"size {head[1]} of {head[2]!r}")
+        if getattr(leaf, "ndim", 0) >= 2:
+            return self.matrix, "two or more axes"
+        return self.other, "fewer than two axes"
+
+
+def _vocabulary_head(names: Sequence[str], leaves: Sequence[Any]) -> tuple | None:
+    """``(index, vocab, embedding path)`` of an output head that no name gives away (the
+    JAX AI stack's ``output_layer/kernel``): the one 2-D leaf, not named as an embedding,
+    with a side equal to the vocabulary size (first axis) of a 2-D embedding table whose
+    vocabulary is larger than its features. None where no such leaf is alone: an MLP as
+    wide as the vocabulary in every layer leaves the head to the rules."""
+    tables = [(name, tuple(x.shape)) for name, x in zip(names, leaves)
+              if getattr(x, "ndim", 0) == 2 and x.shape[0] > x.shape[1] and
+              any(EMBEDDINGS.search(part) for part in name.split("/"))]
+    for table, (vocab, features) in tables:
+        found = [i for i, (name, x) in enumerate(zip(names, leaves))
+                 if getattr(x, "ndim", 0) == 2 and sorted(x.shape) == sorted((vocab, features))
+                 and not _by_name(name)]
+        if len(found) == 1:
+            return found[0], vocab, table
+    return None
 
 
 def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],

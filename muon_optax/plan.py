@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,11 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muon_optax.dimension_numbers import check_unused
 from muon_optax.hparams import MuonConfig
 from muon_optax.labels import flat_labels, path_str
 from muon_optax.layout import MatrixLeaf, Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
 from muon_optax.polar import choose_method, default_compute_dtype, polar_flops
 from muon_optax.sharding import Spec, adamw_shard_axis, padded_shape
+from muon_optax.warn import warn
 
 GATHER, EXCHANGE, LOCAL = "gather", "exchange", "local"
 
@@ -582,7 +583,8 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             leaf = matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             matrices.append(leaf)
-        elif any(specs[i]):
+            continue
+        if any(specs[i]):
             adamw_leaves.append(AdamWLeaf(i, path, label, shape, None, shape, local=True,
                                           mu_dtype=configs[label].mu_dtype))
         else:
@@ -590,6 +592,8 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis,
                                           padded_shape(shape, axis, n),
                                           mu_dtype=configs[label].mu_dtype))
+    for a in adamw_leaves:   # after the Muon leaves', whose errors say more
+        check_unused(dims[a.index], a.path, a.group)
     stacks = plan_stacks(matrices, configs, lambda leaf: _signature(leaf, *kinds[leaf.index]))
     holders, held = [], []
     for st in stacks:
@@ -622,8 +626,16 @@ def _muon_transport(leaf: MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]
     try:
         return classify(leaf, leaf.view_spec(spec, dict(axes)), axes), spec
     except NotImplementedError as e:
-        warnings.warn(f"{where}: parameter {leaf.path!r} is laid out as {spec}, and {e}; it "
-                      "is gathered whole on every device before the update (more traffic). "
-                      "Split either its layer (or expert, or block) axes over all of "
-                      "axis_name, or its matrix axes within blocks.", stacklevel=4)
+        used = tuple(dict.fromkeys(a for entry in spec for a in entry))
+        names = tuple(name for name, _ in axes)
+        hint = ""
+        if used and len(used) < len(names):
+            keep = used[0] if len(used) == 1 else used
+            hint = (f" It is split over {keep!r} only: built with axis_name={keep!r} instead of "
+                    f"{names!r}, its blocks would stay where they lie (each device "
+                    "updating its own).")
+        warn(f"{where}: parameter {leaf.path!r} is laid out as {spec}, and {e}; it "
+             "is gathered whole on every device before the update (more traffic). "
+             "Split either its layer (or expert, or block) axes over all of "
+             f"axis_name, or its matrix axes within blocks.{hint}")
         return (GATHER, None), ((),) * len(spec)

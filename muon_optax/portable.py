@@ -11,7 +11,10 @@ same numbers per parameter, in the parameter's own layout:
      "momentum": Muon momentum  (params' structure, leaf-shaped; None at AdamW leaves),
      "second_moment": NorMuon second moment (leaf-shaped with the averaged side's axes
                        of length 1: one value per output feature if out >= in, else per
-                       input feature; None at AdamW leaves),
+                       input feature; None at AdamW leaves; for a leaf cut into blocks
+                       (MuonDimensionNumbers' output_blocks/reduction_blocks) shaped as
+                       its block view, one row or column per block, so it imports only
+                       into a transformation given the same blocks),
      "skipped": int32 scalar, steps skipped for a non-finite gradient (only from a
                 transformation built with skip_nonfinite=True)}
 
@@ -22,6 +25,7 @@ any mode, exactly as if uninterrupted.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -303,16 +307,34 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
         return import_optax_state(tx, portable, params, num_devices=num_devices)
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
+    # Arrays on other devices than tx's (exported on 3 devices, imported for 5) would keep
+    # the state there, where the step cannot take it: compute from host copies instead.
+    target = tx.init.options.mesh
+    portable = jax.tree.map(lambda x: np.asarray(x) if _elsewhere(x, target) else x, portable)
     mesh = _explicit_mesh(tx, (portable, params))
     skipped = _skips(tx)
     if mesh is None:
-        return _import(plan, portable, params, skipped)
+        state = _import(plan, portable, params, skipped)
+        if target is None or any(isinstance(x, jax.core.Tracer)
+                                 for x in jax.tree.leaves(state)):
+            return state
+        specs = state_partition_specs(plan, tx.init.options.axes, skipped)
+        return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(target, spec)),
+                            state, specs)
     axes = tuple(a for a, _ in plan.axes) or None
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                              state_partition_specs(plan, axes, skipped),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.auto_axes(lambda p: _import(plan, p, params, skipped),
                                   out_sharding=shardings)(portable)
+
+
+def _elsewhere(x: Any, mesh: jax.sharding.Mesh | None) -> bool:
+    """A concrete array committed to devices outside ``mesh`` (any device: no mesh)."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) \
+            or not getattr(x, "committed", True):
+        return False
+    return mesh is None or not set(x.devices()) <= set(mesh.devices.flat)
 
 
 def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
@@ -340,7 +362,8 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
                  for key, w in zip(plan.state_keys, want.muon))
     skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
-                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips)
+                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips,
+                          want.layout)
 
 
 def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
@@ -372,7 +395,15 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
                 continue
             shape = second_of[i] if name == "second_moment" else tuple(x.shape)
             if g is None or tuple(np.shape(g)) != shape:
+                blocks = ""
+                if name == "second_moment" and g is not None and \
+                        math.prod(np.shape(g)) != math.prod(shape):
+                    blocks = (" The NorMuon statistics are per block: a leaf cut into blocks "
+                              "(MuonDimensionNumbers' output_blocks/reduction_blocks) on one "
+                              "side has other statistics than on the other; give this "
+                              "transformation the dimension_numbers of the one that exported "
+                              f"the state (here {muon[i].blocks} (output, reduction) blocks).")
                 raise ValueError(f"import_state: {name} of {path!r} has shape "
                                  f"{None if g is None else tuple(np.shape(g))}, expected "
                                  f"{shape}: the portable state was exported for other params "
-                                 "or groups.")
+                                 f"or groups.{blocks}")

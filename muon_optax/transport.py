@@ -144,6 +144,13 @@ class GatherSource:
         self.cache: dict[int, jax.Array] = {}
         self.buffer = None if comm.grads_reduced else self._reduce_scatter(dtype)
 
+    @staticmethod
+    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
+        """Bytes one device sends (ring): the reduce-scatter of the flat buffer, whose
+        share is the channel's length; none when the gradients arrive reduced."""
+        n = owner.num_devices
+        return 0.0 if reduced else (n - 1) * owner.gather[dtype].length * np.dtype(dtype).itemsize
+
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
         ch = self.channel
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
@@ -183,6 +190,12 @@ class GatherSink:
         self.owner, self.comm = owner, comm
         self.channel = owner.gather[dtype]
         self.buffer = jnp.zeros(self.channel.length, dtype)
+
+    @staticmethod
+    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
+        """Bytes one device sends (ring): the all-gather of its share of directions."""
+        return ((owner.num_devices - 1) * owner.gather[dtype].length
+                * np.dtype(dtype).itemsize)
 
     def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
         st = self.owner.stacks[k].stack
@@ -270,6 +283,13 @@ class ExchangeSource:
         self.received = comm.exchange(jnp.stack(_device_rows(parts, self.channel.length,
                                                              dtype)))
 
+    @staticmethod
+    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
+        """Bytes one device sends: an all-to-all of its ``(N, length)`` pieces, all but
+        its own row."""
+        return ((owner.num_devices - 1) * owner.exchange[dtype].length
+                * np.dtype(dtype).itemsize)
+
     def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> list[jax.Array]:
         """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
         out = []
@@ -307,6 +327,12 @@ class ExchangeSink:
         self.owner, self.comm = owner, comm
         self.channel = owner.back[dtype]
         self.buffer = jnp.zeros((comm.size, self.channel.length), dtype)
+
+    @staticmethod
+    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
+        """Bytes one device sends: the all-to-all of the holders' blocks back."""
+        return ((owner.num_devices - 1) * owner.back[dtype].length
+                * np.dtype(dtype).itemsize)
 
     def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
         sp = self.owner.stacks[k]
@@ -398,6 +424,18 @@ class Transports:
             self.sinks[EXCHANGE, dt] = ExchangeSink(owner, dt, comm)
         self.sources[LOCAL] = LocalSource(owner, leaves)
         self.sinks[LOCAL] = LocalSink(owner)
+
+    @staticmethod
+    def sent(owner: OwnerPlan, reduced: bool) -> float:
+        """Bytes one device sends per step for the Muon matrices (ring algorithms), from
+        the sources and sinks :meth:`__init__` makes (local ones send nothing)."""
+        total = 0.0
+        for dt in owner.gather:
+            total += GatherSource.sent(owner, dt, reduced) + GatherSink.sent(owner, dt, reduced)
+        for dt in owner.exchange:
+            total += (ExchangeSource.sent(owner, dt, reduced)
+                      + ExchangeSink.sent(owner, dt, reduced))
+        return total
 
     def _key(self, k: int):
         sp = self.owner.stacks[k]

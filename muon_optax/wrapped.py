@@ -31,7 +31,15 @@ class Found(NamedTuple):
     n: int
 
     def part(self, state: Any) -> Any:
-        """Its state, out of the wrapper's ``state``."""
+        """Its state, out of the wrapper's ``state``: the subtree itself where it is found
+        (its static parts, such as the layout it was made for, are the state's own), else
+        rebuilt from its leaves."""
+        kind = type(jax.tree.unflatten(self.treedef, [None] * self.n))
+        at = 0
+        for sub in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)):
+            if isinstance(sub, kind) and at == self.start:
+                return sub
+            at += len(jax.tree.leaves(sub)) if isinstance(sub, kind) else 1
         leaves = jax.tree.leaves(state)[self.start:self.start + self.n]
         return jax.tree.unflatten(self.treedef, leaves)
 

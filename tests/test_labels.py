@@ -108,3 +108,44 @@ def test_embeddings_and_heads_go_to_other_by_module_name():
         "attn/multihead/kernel": "muon"}
     rules = muon_optax.label_by_path([("lm_head", "muon")])
     assert labelled(tree, rules)["lm_head/kernel"] == "muon"   # a rule overrides the name
+
+
+def _tutorial_tree(mlp_width=256, layers=2, vocab=1000, d=64):
+    """The JAX AI stack's miniGPT naming: no 'head' anywhere, the head is output_layer."""
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    block = {"mha": {"query": {"kernel": s(d, 4, 16)}, "out": {"kernel": s(4, 16, d)}},
+             "linear1": {"kernel": s(d, mlp_width), "bias": s(mlp_width)},
+             "linear2": {"kernel": s(mlp_width, d), "bias": s(d)},
+             "layer_norm1": {"scale": s(d)}}
+    return {"embedding_layer": {"token_emb": {"embedding": s(vocab, d)},
+                                "pos_emb": {"embedding": s(128, d)}},
+            "transformer_blocks": {str(i): block for i in range(layers)},
+            "output_layer": {"kernel": s(d, vocab), "bias": s(vocab)}}
+
+
+def test_output_head_found_by_the_vocabulary_size():
+    params = _tutorial_tree()
+    got = labelled(params)
+    assert got["output_layer/kernel"] == "adamw"
+    assert got["transformer_blocks/0/linear1/kernel"] == "muon"
+    tx = muon_optax.muon_adamw({"muon": dict(kind="muon", lr=0.02),
+                                "adamw": dict(kind="adamw", lr=1e-3)},
+                               muon_optax.label_by_path())
+    rows = {r["path"]: r for r in muon_optax.describe(tx, params, file=None)}
+    assert "output head" in rows["output_layer/kernel"]["why"]
+    assert "1000" in rows["output_layer/kernel"]["why"]
+    assert rows["transformer_blocks/0/linear1/kernel"]["why"] == "two or more axes"
+    assert rows["transformer_blocks/0/linear1/bias"]["why"] == "named as a bias, scale or embedding"
+    # rules come first, and say so
+    rows = {r["path"]: r for r in muon_optax.describe(
+        muon_optax.muon_adamw({"m": dict(kind="muon", lr=0.02), "a": dict(kind="adamw", lr=1.0)},
+                              muon_optax.label_by_path([("output_layer/kernel", "m")], matrix="m",
+                                                       other="a")), params, file=None)}
+    assert rows["output_layer/kernel"]["why"] == "rule 'output_layer/kernel'"
+
+
+def test_no_head_guessed_where_mlps_are_as_wide_as_the_vocabulary():
+    # every layer's MLP has the head's shape: no single head, the names decide
+    got = labelled(_tutorial_tree(mlp_width=1000))
+    assert got["output_layer/kernel"] == "muon"
+    assert got["transformer_blocks/0/linear1/kernel"] == "muon"

@@ -181,3 +181,13 @@ def test_torch_muon_snippet_runs_and_equals_torch_where_installed():
         change = want[name] - np.asarray(flat[name])
         diff = np.asarray(ns["params"][name]["weight"]) - want[name]
         assert np.linalg.norm(diff) <= 1e-4 * np.linalg.norm(change), name
+
+
+def test_testing_guide_chex_test_runs_and_shift_is_only_noise():
+    # docs/testing.md's test as pasted; what it leaves out differs by about lr (its
+    # gradient is rounding noise: the runs disagree on the sign of each step).
+    ns = run(block("chex.assert_trees_all_close("))
+    grad = jax.grad(ns["loss_fn"])(ns["params"], ns["tokens"])
+    assert float(np.abs(grad["shift"]).max()) < 1e-8
+    apart = np.asarray(ns["eight"]["shift"]) - np.asarray(ns["one"]["shift"])
+    assert float(np.abs(apart).max()) > 1e-4

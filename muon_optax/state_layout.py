@@ -1,0 +1,78 @@
+"""The layout a state was made for, kept in the static part of the state's structure.
+
+The Muon state lives in flat buffers whose rows belong to the matrices that each device
+owns (:mod:`muon_optax.plan`). The same params laid out another way (replicated, then
+split along their layer axis; another device count) may give buffers of the same shapes
+whose rows belong to other matrices: a state made for one layout and used with another
+would update the wrong matrices without any shape error. So every state carries a
+:class:`StateLayout`, a pytree node without leaves whose value is part of the treedef:
+comparing it costs nothing at run time (``jax.jit`` compares treedefs when it traces),
+and ``update`` refuses a state whose layout is not the one its params now have.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Any
+
+import jax
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """What a state's Muon buffers mean: the device count and a digest of every state
+    channel (which matrix, of which member and block, in which stored orientation, sits at
+    each offset of each device's share), that is of the owners and slots of the stacks.
+
+    A pytree node with no leaves (``jax.tree_util.register_static``): two states of
+    different layouts differ in structure, not in values. ``transports`` only describes
+    (how the matrices travel does not change what the buffers hold: a state made for
+    replicated params serves FSDP-split ones whenever the owners agree).
+    """
+
+    devices: int
+    digest: str
+    transports: str = dataclasses.field(default="", compare=False)
+
+    def describe(self) -> str:
+        stacks = f", Muon stacks {self.transports}" if self.transports else ""
+        return f"{self.devices} device(s){stacks}, layout {self.digest}"
+
+
+def layout_of(plan: Any) -> StateLayout:
+    """The :class:`StateLayout` of a :class:`muon_optax.plan.TreePlan`.
+
+    Deterministic across processes (no Python ``hash``): every host of a multi-process
+    run computes the same digest. The AdamW moments are not in it: their global arrays
+    mean the same whatever their split (a different padding changes their shapes).
+    """
+    owner = plan.owner
+    parts: list[Any] = [owner.num_devices]
+    for kind in (owner.momentum, owner.second):
+        for key, ch in kind.items():
+            parts.append((tuple(str(k) for k in key), ch.length, ch.sizes,
+                          ch.offsets.tolist()))
+            for k in ch.stacks:
+                sp = owner.stacks[k]
+                st = sp.stack
+                parts.append((k, st.rows, st.cols, sp.second_shape, sp.slots.tolist(),
+                              tuple((m.index, m.batch, m.blocks, tuple(m.stored_perm))
+                                    for m in st.members)))
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+    counts = collections.Counter(sp.transport for sp in owner.stacks)
+    transports = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    return StateLayout(owner.num_devices, digest, transports)
+
+
+def layout_error(name: str, got: Any, want: StateLayout) -> ValueError:
+    """The error of a state made for another layout (``got``: its layout, or None)."""
+    made = got.describe() if isinstance(got, StateLayout) else "an unknown layout"
+    return ValueError(
+        f"{name}: the state was made for another layout of these params (made for "
+        f"{made}; these params need {want.describe()}): its Muon buffers' rows belong to "
+        "other matrices here. Move it with muon_optax.export_state (with the params as "
+        "laid out when the state was made) and muon_optax.import_state (with the params "
+        "as they are now), or call tx.init on these params.")

@@ -1,0 +1,78 @@
+"""A state knows the layout it was made for: ``update`` refuses it under another one.
+
+The same params on the same 4 devices, first replicated, then split along their layer
+axis: the Muon buffers have the same shapes, but their rows belong to other matrices.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import muon_optax
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
+
+GROUPS = {"muon": dict(kind="muon", lr=0.02), "adamw": dict(kind="adamw", lr=1e-3)}
+
+
+def problem():
+    rng = np.random.default_rng(0)
+    params = {"blocks": jnp.asarray(rng.normal(size=(8, 32, 16)), jnp.float32),
+              "bias": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
+    grads = [jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+             for _ in range(2)]
+    labels = {"blocks": "muon", "bias": "adamw"}
+    return params, grads, labels
+
+
+def place(mesh, tree, specs):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def test_state_made_for_another_layout_is_refused_and_export_import_moves_it():
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, grads, labels = problem()
+    replicated = {"blocks": P(), "bias": P()}
+    by_layer = {"blocks": P("data"), "bias": P()}
+    tx = muon_optax.muon_adamw(GROUPS, labels, axis_name="data", mesh=mesh)
+    p_rep = place(mesh, params, replicated)
+    state = tx.init(p_rep)
+    u, state = tx.update(place(mesh, grads[0], replicated), state, p_rep)
+    p_rep = optax.apply_updates(p_rep, u)
+
+    # the same arrays split along the layer axis: same shapes, other owners
+    p_split = place(mesh, p_rep, by_layer)
+    g_split = place(mesh, grads[1], by_layer)
+    with pytest.raises(ValueError, match="another layout.*export_state.*import_state"):
+        tx.update(g_split, state, p_split)
+    with pytest.raises(ValueError, match="another layout"):
+        jax.jit(tx.update)(g_split, state, p_split)
+
+    # the hop done right follows the one-device run
+    moved = muon_optax.import_state(tx, muon_optax.export_state(tx, state, p_rep), p_split)
+    u_split, _ = tx.update(g_split, moved, p_split)
+    one = muon_optax.muon_adamw(GROUPS, labels)
+    s1 = one.init(params)
+    u1, s1 = one.update(grads[0], s1, params)
+    p1 = optax.apply_updates(params, u1)
+    u1, _ = one.update(grads[1], s1, p1)
+    for a, b in zip(jax.tree.leaves(u_split), jax.tree.leaves(u1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_layout_is_static_structure_and_the_same_for_the_same_layout():
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, _, labels = problem()
+    tx = muon_optax.muon_adamw(GROUPS, labels, axis_name="data", mesh=mesh)
+    a = tx.init(place(mesh, params, {"blocks": P(), "bias": P()}))
+    b = tx.init(place(mesh, params, {"blocks": P(), "bias": P()}))
+    c = tx.init(place(mesh, params, {"blocks": P("data"), "bias": P()}))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert jax.tree.structure(a) != jax.tree.structure(c)
+    assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(a._replace(layout=None)))
+    assert a.layout.devices == 4 and "gather" in a.layout.transports
+    assert "local" in c.layout.transports
