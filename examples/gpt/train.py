@@ -326,6 +326,10 @@ def _check_out(args: argparse.Namespace) -> None:
                 raise UsageError(f"--out {args.out}: {path} is a file, not a directory")
             break
     for ckpt in (out / "ckpt", out / "adamw" / "ckpt"):
+        if ckpt.is_symlink() and not ckpt.exists():
+            raise UsageError(f"--out {args.out}: {ckpt} is a symbolic link that leads nowhere "
+                             f"(a loop, or its target is gone): remove it, or point it at a "
+                             f"directory")
         if args.resume and ckpt.exists() and not ckpt.is_dir():
             raise UsageError(f"--resume: {ckpt} is a file, not a checkpoint directory")
 
@@ -364,6 +368,9 @@ def _load_data(args: argparse.Namespace) -> ByteDataset:
                                      max_bytes=args.max_bytes, seed=args.seed)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
+    except MemoryError:
+        raise UsageError(f"--data {args.data}: out of memory while reading it; read only a "
+                         f"part of it with --max-bytes") from None
 
 
 def _simulate_cpu_devices(n: int) -> None:
@@ -675,8 +682,24 @@ def _prepare_out(ctx: Context) -> None:
             print(f"starting afresh: removing {' and '.join(str(p.resolve()) for p in stale)} "
                   f"of an earlier run (pass --resume to continue it)")
         for path in stale:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            _remove(path)
     _sync(ctx, "train.py: output directory ready")
+
+
+def _remove(path: Path) -> None:
+    """Removes an earlier run's ``path``; a symbolic link to a directory (checkpoints kept
+    on another disk) stays, emptied."""
+    try:
+        if path.is_symlink() and path.is_dir():
+            for child in path.iterdir():
+                _remove(child)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot remove {path} of an earlier run ({e.strerror}); remove it "
+                         f"yourself, or pass --resume to continue that run") from None
 
 
 def _sync(ctx: Context, name: str) -> None:
@@ -724,6 +747,20 @@ def _write_config(ctx: Context, status: str, results: dict) -> None:
         write_json(Path(ctx.args.out) / "config.json", _config_record(ctx, status, results))
 
 
+def _record_failure(ctx: Context, error: Exception) -> None:
+    """``config.json``'s status becomes the failure; where that write fails too (the disk
+    that failed the checkpoint is full, ``--out`` is gone), the error's one line says so
+    instead of a second traceback."""
+    from checkpoints import write_problem
+
+    try:
+        _write_config(ctx, f"failed: {error}", {})
+    except OSError as e:
+        out = Path(ctx.args.out)
+        why = (f"{out} is gone" if not out.is_dir() else write_problem(e))
+        error.args = (f"{error}; config.json still says \"running\" ({why})",)
+
+
 # ----------------------------------------------------------------------------- the job
 
 
@@ -735,7 +772,7 @@ def _train_all(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) 
     try:
         results, status, received = _run_optimizers(ctx)
     except (UsageError, CheckpointError, RunFailed) as e:  # config.json says so, not "running"
-        _write_config(ctx, f"failed: {e}", {})
+        _record_failure(ctx, e)
         raise
     return _finish(ctx, results, status, received, time.perf_counter() - t_start)
 
@@ -1069,12 +1106,10 @@ def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
 
 def _train_one(ctx: Context, name: str, run_dir: Path, stop: StopSignals) -> dict:
     """Trains one optimizer from the shared init, or from its checkpoint with --resume."""
-    from report import RunLog
-
     run = _open_run(ctx, name, run_dir)
     stop.register(run.start)
     _initial_state(ctx, run)
-    run.log = RunLog(run_dir / "log.jsonl", run.start, ctx.is_main)
+    run.log = _open_log(ctx, run)
     if run.start == 0:
         run.log.write({"step": 0, **_evaluate(ctx, run)})
     if run.start >= ctx.args.steps:
@@ -1088,6 +1123,24 @@ def _train_one(ctx: Context, name: str, run_dir: Path, stop: StopSignals) -> dic
             "end": run.end, "compile_s": run.compile_s, "train_s": run.train_s,
             "records": run.log.records, "ckpt_dir": run.ckpts.directory,
             "log": run_dir / "log.jsonl"}
+
+
+def _open_log(ctx: Context, run: Run):
+    """``log.jsonl`` from the start step on; a last line cut by a crash is dropped with a
+    line saying so, other damage is refused in one line."""
+    from report import LogError, RunLog
+
+    try:
+        log = RunLog(run.run_dir / "log.jsonl", run.start, ctx.is_main)
+    except LogError as e:
+        run.ckpts.close()
+        raise UsageError(f"--resume: {e}") from None
+    if log.cut is not None and ctx.is_main:
+        text = log.cut if len(log.cut) <= 60 else log.cut[:57] + "..."
+        print(f"train.py: [{run.name}] the last line of {log.path} was cut off (a crash or a "
+              f"full disk while it was written): dropped it ({text!r}); resuming from step "
+              f"{run.start}", file=sys.stderr)
+    return log
 
 
 def _evaluate(ctx: Context, run: Run) -> dict:
