@@ -51,6 +51,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         dataset = _load_data(args)
         if args.devices > 1 and "jax" not in sys.modules:
             _simulate_cpu_devices(args.devices)
+        if not args.distributed or args.process_id is not None:
+            _hold_out(args, argv, args.process_id or 0)  # else once jax knows the id
         return _train_all(args, dataset, argv)
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
@@ -410,6 +413,38 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted (no checkpoint written)", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        while _HELD:
+            _HELD.pop().release()
+
+
+_HELD: list = []  # this process's outlock.OutLock, released when main returns
+
+
+def _run_identity(args: argparse.Namespace) -> dict:
+    """What the processes of one run share, as the lock files record it."""
+    if not args.distributed:
+        return {"coordinator": None, "num_processes": 1}
+    return {"coordinator": args.coordinator, "num_processes": args.num_processes}
+
+
+def _hold_out(args: argparse.Namespace, argv: list[str], process_id: int) -> None:
+    """Takes this process's lock in ``--out`` (``outlock.py``): a run already there, or
+    another process with this ``--process-id``, is refused in one line naming it."""
+    from outlock import FolderBusy, OutLock
+
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot create the directory ({e})") from None
+    try:
+        _HELD.append(OutLock(out, process_id, _run_identity(args), argv).acquire())
+    except FolderBusy as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot hold a lock file there ({e.strerror}); "
+                         f"choose a local or NFS directory") from None
 
 
 # ----------------------------------------------------------------------------- setup
@@ -449,8 +484,6 @@ def _init_distributed(args: argparse.Namespace) -> None:
     """``jax.distributed.initialize``, said before it waits, and bounded by
     ``--init-timeout``: jax's own timeout ends the process with an abort (status 134)
     after its tracebacks, so a watchdog says so in one line first and exits 2."""
-    import threading
-
     import jax
 
     # The agreed stop relies on jax's preemption service (on by default): keep it on.
@@ -459,15 +492,8 @@ def _init_distributed(args: argparse.Namespace) -> None:
     print(f"train.py: joining the other processes{where} (waiting up to {args.init_timeout} s, "
           f"--init-timeout)", file=sys.stderr, flush=True)
 
-    def give_up():
-        sys.stderr.write(f"train.py: error: not every process joined within {args.init_timeout}"
-                         f" s (--init-timeout): start every process with the same --coordinator "
-                         f"and --num-processes, or check the network\n")
-        sys.stderr.flush()
-        os._exit(EXIT_USAGE)
-
-    watchdog = threading.Timer(args.init_timeout, give_up)
-    watchdog.daemon = True
+    watchdog = threading.Thread(target=_watch_join, args=(args, time.time()), daemon=True)
+    _JOINED.clear()
     watchdog.start()
     try:
         jax.distributed.initialize(coordinator_address=args.coordinator,
@@ -479,7 +505,53 @@ def _init_distributed(args: argparse.Namespace) -> None:
                          "cluster it detects (SLURM, Open MPI, Cloud TPU), pass --coordinator "
                          "host:port, --num-processes and --process-id") from None
     finally:
-        watchdog.cancel()
+        _JOINED.set()
+
+
+_JOINED = threading.Event()  # set once jax.distributed.initialize has returned
+
+
+def _watch_join(args: argparse.Namespace, since: float) -> None:
+    """While ``jax.distributed.initialize`` waits: a duplicate of this run's process ids
+    refused meanwhile (``outlock``'s note) ends the wait at once, naming it; after
+    ``--init-timeout`` the wait ends naming the ids that no process holds. One line, then
+    exit 2 (jax's own timeout aborts with status 134 after its tracebacks)."""
+    from outlock import describe, missing_ids, refusals
+
+    out, run = Path(args.out), _run_identity(args)
+    while not _JOINED.wait(0.5):
+        refused = refusals(out, run) if args.process_id is not None else []
+        if refused:
+            pid, info = refused[0]
+            _give_up(f"--process-id {pid} was given to two processes of this run ({describe(info)}"
+                     f" was refused): restart every process with its own --process-id")
+        if time.time() - since > args.init_timeout:
+            missing = (missing_ids(out, args.num_processes)
+                       if args.num_processes and args.process_id is not None else [])
+            which = (f": no process holds --process-id {', '.join(map(str, missing))} in "
+                     f"{out}" if missing else "")
+            _give_up(f"not every process joined within {args.init_timeout} s (--init-timeout)"
+                     f"{which}; start every process with the same --coordinator and "
+                     f"--num-processes, each with its own --process-id, or check the network")
+
+
+def _give_up(message: str) -> None:
+    if _JOINED.is_set():
+        return
+    sys.stderr.write(f"train.py: error: {message}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_USAGE)
+
+
+def _agree(args: argparse.Namespace, dataset: ByteDataset) -> None:
+    """Every process checks, once, that all were started with the same settings, data
+    and code (``agree.py``); a difference is refused on every process in one line."""
+    import agree
+
+    try:
+        agree.check(agree.settings(args, dataset.fingerprint, agree.code_fingerprint()))
+    except agree.Disagreement as e:
+        raise UsageError(str(e)) from None
 
 
 def _pick_devices(args: argparse.Namespace) -> list:
@@ -539,6 +611,9 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
 
     if args.distributed:
         _init_distributed(args)
+        if args.process_id is None:  # detected by jax: the lock comes only now
+            _hold_out(args, argv, jax.process_index())
+        _agree(args, dataset)
     devices = _pick_devices(args)
     mesh = None
     if args.distributed or args.fsdp or len(devices) > 1:
