@@ -333,3 +333,35 @@ def test_a_fresh_start_empties_a_linked_checkpoint_directory(copy, corpus, tmp_p
     (copy / "ckpt").symlink_to(elsewhere, target_is_directory=True)
     assert run(copy, corpus, "--steps", "2") == 0
     assert (copy / "ckpt").is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == ["2"]
+
+
+def test_a_full_disk_under_the_log_is_one_line(tmp_path, corpus, monkeypatch, capsys):
+    """log.jsonl's write of step 3 meets a full disk: one line, status 1, config.json
+    says so, and --resume continues from the checkpoint of step 2."""
+    import report
+
+    class FullAfter:
+        """log.jsonl opened for appending, whose fourth write (step 3) finds no space."""
+
+        def __init__(self, path, mode, buffering=-1):
+            self.file, self.writes = open(path, mode, buffering=buffering), 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 4:
+                raise OSError(28, "No space left on device")
+            return self.file.write(data)
+
+        def close(self):
+            self.file.close()
+
+    monkeypatch.setattr(report, "open", FullAfter, raising=False)
+    assert run(tmp_path, corpus) == train.EXIT_FAILED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the record of step 3 could not be written to" in err[0], err
+    assert "the disk is full" in err[0] and "--resume continues" in err[0]
+    status = json.loads((tmp_path / "config.json").read_text())["status"]
+    assert status.startswith("failed: the record of step 3"), status
+    monkeypatch.undo()
+    assert run(tmp_path, corpus, "--resume") == 0
+    assert [r["step"] for r in log_of(tmp_path)] == [0, 1, 2, 3, 4]

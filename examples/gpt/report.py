@@ -28,6 +28,10 @@ class LogError(ValueError):
     """``log.jsonl`` is damaged beyond a cut last line: one line for the user."""
 
 
+class LogWriteError(Exception):
+    """A record could not be written to ``log.jsonl`` (a full disk, a lost mount): one line."""
+
+
 def read_records(path: Path) -> tuple[list[dict], str | None]:
     """``(records, cut)``: the records of ``log.jsonl``, and the text of its last line if
     that was cut off (a crash or a full disk while it was written: no newline, or not
@@ -97,8 +101,15 @@ class RunLog:
         self.records.append(record)
         if self._file is not None:
             data = memoryview(self._line(record))
-            while data:  # one write; a loop only if the OS takes part of it
-                data = data[self._file.write(data):]
+            try:
+                while data:  # one write; a loop only if the OS takes part of it
+                    data = data[self._file.write(data):]
+            except OSError as e:
+                from checkpoints import write_problem
+
+                raise LogWriteError(f"the record of step {record.get('step')} could not be "
+                                    f"written to {self.path}: {write_problem(e)}; --resume "
+                                    f"continues from the last checkpoint") from None
 
     def close(self) -> None:
         if self._file is not None:

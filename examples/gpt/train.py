@@ -68,6 +68,7 @@ if importlib.util.find_spec("muon_optax") is None:  # a checkout without `pip in
 # numpy and the standard library only: no jax before the arguments are checked
 from checkpoints import CheckpointError  # noqa: E402
 from data import DEFAULT_MAX_BYTES, VOCAB_SIZE, ByteDataset  # noqa: E402
+from report import LogWriteError  # noqa: E402
 from stopping import EXIT_SIGINT, EXIT_SIGTERM, SIGNAL_NAMES, StopSignals  # noqa: E402
 
 # The default run: ~4 minutes on 2 idle CPU cores (see the notes in the README section).
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except CheckpointError as e:
+    except (CheckpointError, LogWriteError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except RunFailed as e:
@@ -854,7 +855,7 @@ def _train_all(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) 
     t_start = time.perf_counter()
     try:
         results, status, received = _run_optimizers(ctx)
-    except (UsageError, CheckpointError, RunFailed) as e:  # config.json says so, not "running"
+    except (UsageError, CheckpointError, LogWriteError, RunFailed) as e:  # not "running"
         _record_failure(ctx, e)
         raise
     return _finish(ctx, results, status, received, time.perf_counter() - t_start)
@@ -1199,7 +1200,11 @@ def _train_one(ctx: Context, name: str, run_dir: Path, stop: StopSignals) -> dic
         if ctx.is_main:
             print(f"[{name}] already trained for {run.start} steps; nothing to do")
     else:
-        _run_steps(ctx, run, stop)
+        try:
+            _run_steps(ctx, run, stop)
+        except LogWriteError:
+            run.ckpts.close()  # the checkpoint being written is finished and sealed
+            raise
     run.ckpts.close()
     run.log.close()
     return {"stopped": run.stopped, "diverged": run.diverged, "start": run.start,
