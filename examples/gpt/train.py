@@ -615,14 +615,15 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType
-    from optim_setup import nanochat_batch_lr_scale
-    from parallel import Layout
 
-    if args.distributed:
+    if args.distributed:  # first: no library import may touch the backend before it
         _init_distributed(args)
         if args.process_id is None:  # detected by jax: the lock comes only now
             _hold_out(args, argv, jax.process_index())
         _agree(args, dataset)
+    from optim_setup import nanochat_batch_lr_scale
+    from parallel import Layout
+
     devices = _pick_devices(args)
     mesh = None
     if args.distributed or args.fsdp or len(devices) > 1:
