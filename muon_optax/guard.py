@@ -24,12 +24,15 @@ Where the numbers come from:
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from muon_optax.hparams import concrete_value
 
 
 class GradStats(NamedTuple):
@@ -101,11 +104,14 @@ def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
     if max_grad_norm is None:
         return None
     if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:
-        # traced (optax.inject_hyperparams under jax.jit): no value to check here
-        if isinstance(max_grad_norm, jax.core.Tracer) or float(max_grad_norm) > 0:
+        if concrete_value(max_grad_norm) is None:  # traced: known only when the step runs
             return max_grad_norm
+        # A concrete array gets a float's checks (0, NaN or -1 would zero, NaN or flip
+        # every update), and stays an array (inject_hyperparams keeps it in the state).
+        check_options(concrete_value(max_grad_norm), skip_nonfinite, where)
+        return max_grad_norm
     if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
-            or not max_grad_norm > 0:
+            or not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
         raise ValueError(f"{where}: max_grad_norm must be a positive number (the largest "
                          f"global norm of the mean gradient) or None, got {max_grad_norm!r}.")
     return float(max_grad_norm)

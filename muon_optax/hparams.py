@@ -56,15 +56,53 @@ def _check_scalar(value: Any, name: str, where: str) -> Scalar:
     traced under jit, so an array is taken as is and never compared in Python.
     """
     if callable(value):
+        check_schedule_shape(value, name, where)
         return value
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        check_finite(value, name, where)
         return float(value)
     if (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
             and (jnp.issubdtype(value.dtype, jnp.floating)
                  or jnp.issubdtype(value.dtype, jnp.integer))):
+        check_finite(value, name, where)
         return value
     raise TypeError(f"{where}: {name} must be a float or an optax schedule "
                     f"(a callable of the step count), got {value!r}.")
+
+
+def concrete_value(value: Any) -> float | None:
+    """A number or 0-d array as a Python float when it is known now; None for a traced
+    value (``optax.inject_hyperparams`` under jit), whose value exists only at run time."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        return float(np.asarray(value))
+    except (TypeError, ValueError, jax.errors.JAXTypeError):
+        return None
+
+
+def check_finite(value: Any, name: str, where: str) -> None:
+    """Refuses a hyperparameter known now to be NaN or infinite; a traced value passes
+    (it is not known until the step runs)."""
+    x = concrete_value(value)
+    if x is not None and not np.isfinite(x):
+        raise ValueError(f"{where}: {name} must be a finite number, got {x}; a NaN or inf "
+                         f"hyperparameter makes every update NaN.")
+
+
+def check_schedule_shape(schedule: Callable, name: str, where: str) -> None:
+    """Refuses a schedule whose value at a step is not a scalar (found by tracing it once
+    on an abstract step count). A schedule that cannot be traced that way is left to
+    fail, or not, where it is used."""
+    try:
+        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+    except Exception:  # noqa: BLE001 - only the shape of what does trace is checked here
+        return
+    shape = getattr(out, "shape", None)
+    if shape is None or shape != ():
+        what = f"an array of shape {shape}" if shape is not None else type(out).__name__
+        raise TypeError(f"{where}: {name} is a schedule that returns {what}; a schedule "
+                        f"must return one number per step (a scalar).")
 
 
 def _check_compute_dtype(compute_dtype: Any, where: str) -> Any:
@@ -272,10 +310,12 @@ class MuonConfig:
 def _static_float(value: Any, name: str, where: str) -> float:
     """A number fixed at construction (it shapes the program, not a schedule's value)."""
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{where}: {name} must be a number (static, not a schedule), "
                         f"got {value!r}.") from e
+    check_finite(number, name, where)
+    return number
 
 
 def _unknown(keys, allowed) -> str:

@@ -140,3 +140,51 @@ def test_current_hyperparams_bad_arguments():
     state = optax.chain(optax.clip(1.0), tx).init({"b": jnp.ones(3)})
     with pytest.raises(TypeError, match=r"state must be the muon_adamw state .*state\[1\]"):
         muon_optax.current_hyperparams(tx, state)
+
+
+NOT_NUMBERS = {
+    "nan lr": (lambda: muon_optax.muon(float("nan")), "muon: lr must be a finite number"),
+    "inf lr": (lambda: muon_optax.adamw(float("inf")), "adamw: lr must be a finite number"),
+    "nan momentum": (lambda: muon_optax.muon(0.02, momentum=float("nan")),
+                     "muon: momentum must be a finite number"),
+    "inf beta as array": (lambda: muon_optax.adamw(1e-3, betas=(0.9, jnp.array(jnp.inf))),
+                          "adamw: betas[1] must be a finite number"),
+    "nan eps": (lambda: muon_optax.adamw(1e-3, eps=np.float32("nan")),
+                "adamw: eps must be a finite number"),
+    "nan in a group": (lambda: muon_optax.muon_adamw(
+        {"m": dict(kind="muon", lr=0.02, weight_decay=float("nan"))}, lambda p: "m"),
+        "group 'm': weight_decay must be a finite number"),
+    "vector schedule": (lambda: muon_optax.muon(lambda count: jnp.full((3,), 0.02)),
+                        "muon: lr is a schedule that returns an array of shape (3,)"),
+    "max_grad_norm 0-d zero": (lambda: muon_optax.muon(0.02, max_grad_norm=jnp.array(0.0)),
+                               "muon: max_grad_norm must be a positive number"),
+    "max_grad_norm 0-d nan": (lambda: muon_optax.adamw(1e-3, max_grad_norm=jnp.array(jnp.nan)),
+                              "adamw: max_grad_norm must be a positive number"),
+    "max_grad_norm 0-d -1": (lambda: muon_optax.muon(0.02, max_grad_norm=jnp.array(-1.0)),
+                             "muon: max_grad_norm must be a positive number"),
+    "max_grad_norm inf": (lambda: muon_optax.muon(0.02, max_grad_norm=float("inf")),
+                          "muon: max_grad_norm must be a positive number"),
+    "injected nan": (lambda: optax.inject_hyperparams(muon_optax.adamw)(lr=jnp.nan).init(
+        {"w": jnp.ones(3)}), "adamw: lr must be a finite number"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_NUMBERS)
+def test_hyperparameters_that_are_not_numbers_are_refused_naming_them(case):
+    make, words = NOT_NUMBERS[case]
+    with pytest.raises((ValueError, TypeError)) as info:
+        make()
+    assert str(info.value).startswith(words), str(info.value)
+
+
+def test_traced_hyperparameters_pass_unchecked_and_keep_working():
+    """Under jit (inject_hyperparams' update), a value is known only when the step runs:
+    the constructors cannot check it, and a finite one trains as before."""
+    params = {"w": jnp.ones((4, 3))}
+    tx = optax.inject_hyperparams(muon_optax.muon, static_args=("ns_steps",))(
+        lr=0.02, max_grad_norm=1.0)
+    state = jax.jit(tx.init)(params)
+    updates, _ = jax.jit(tx.update)(params, state, params)
+    assert np.isfinite(np.asarray(updates["w"])).all()
+    schedule = optax.linear_schedule(0.0, 0.02, 10)
+    assert muon_optax.muon(schedule).init(params) is not None

@@ -90,6 +90,12 @@ DAMAGE = {
     "no checksum": (lambda d: (d / checkpoints.CHECKSUM).unlink(), "no checksum"),
     "garbled checksum": (lambda d: (d / checkpoints.CHECKSUM).write_text('{"files": {"a": 1}}'),
                          "its checksum file is unreadable"),
+    "checksum of a list": (lambda d: (d / checkpoints.CHECKSUM).write_text('{"files": []}'),
+                           "its checksum file is unreadable"),
+    "null checksum": (lambda d: (d / checkpoints.CHECKSUM).write_text("null"),
+                      "its checksum file is unreadable"),
+    "null files": (lambda d: (d / checkpoints.CHECKSUM).write_text('{"files": null}'),
+                   "its checksum file is unreadable"),
 }
 
 
@@ -230,3 +236,132 @@ def test_data_rewritten_in_place_is_refused_on_resume(tmp_path, corpus, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "was written on other data: 40000 bytes, sha256" in err[0], err
     assert "restore the data, or start afresh without --resume" in err[0]
+
+
+def test_a_log_cut_by_a_crash_is_resumed_without_its_last_line(copy, corpus, pristine, capsys):
+    """A kill or a full disk leaves log.jsonl's last line cut: --resume drops it, says so
+    in one line, and the log ends as an uninterrupted run's."""
+    shutil.rmtree(copy / "ckpt" / "4")                        # the crash came before it
+    log = copy / "log.jsonl"
+    data = log.read_bytes()
+    log.write_bytes(data[: len(data) - 25])                   # step 4's record, cut
+    assert run(copy, corpus, "--resume") == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the last line of" in err[0] and "was cut off" in err[0], err
+    assert "resuming from step 2" in err[0]
+    assert log_of(copy) == log_of(pristine)
+
+
+def test_a_log_damaged_before_its_end_is_refused_in_one_line(copy, corpus, capsys):
+    log = copy / "log.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(lines[:1] + ["{not json\n"] + lines[1:]))
+    assert run(copy, corpus, "--resume") == train.EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "line 2 is not a log record" in err[0], err
+
+
+class FailedSave:
+    """orbax's manager whose write of step 4 fails after ``before(directory)`` ran, as
+    orbax reports it (at the next wait)."""
+
+    @staticmethod
+    def patch(monkeypatch, error, before=lambda directory: None):
+        real = checkpoints._manager_class()
+
+        class Manager(real):
+            failed = False
+
+            def save(self, step, *args, **kwargs):
+                if step == 4:
+                    before(Path(self.directory))
+                    self.failed = True
+                    return True
+                return super().save(step, *args, **kwargs)
+
+            def wait_until_finished(self):
+                if self.failed:
+                    raise error
+                return super().wait_until_finished()
+
+        monkeypatch.setattr(checkpoints, "_manager_class", lambda: Manager)
+
+
+def test_a_full_disk_that_also_refuses_config_json_is_one_line(tmp_path, corpus, monkeypatch,
+                                                               capsys):
+    import report
+
+    FailedSave.patch(monkeypatch, DiskFull.error)
+    real_write = report.write_json
+
+    def write_json(path, value):
+        if str(value.get("status", "")).startswith("failed"):
+            raise OSError(28, "No space left on device", str(path) + ".tmp")
+        real_write(path, value)
+
+    monkeypatch.setattr(report, "write_json", write_json)
+    assert run(tmp_path, corpus) == train.EXIT_FAILED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint of step 2 is kept" in err[0], err
+    assert 'config.json still says "running" (the disk is full' in err[0]
+
+
+def test_out_removed_mid_run_does_not_claim_a_checkpoint_is_kept(tmp_path, corpus,
+                                                                 monkeypatch, capsys):
+    out = tmp_path / "out"
+    FailedSave.patch(monkeypatch, FileNotFoundError(2, "No such file or directory"),
+                     before=lambda directory: shutil.rmtree(out))
+    assert run(out, corpus) == train.EXIT_FAILED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: the checkpoint of step 4"), err
+    assert "is kept" not in err[0] and "is gone, and with it every checkpoint" in err[0]
+    assert 'config.json still says "running"' in err[0] and "is gone)" in err[0]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_symlink_loop_where_the_checkpoints_go_is_one_line(copy, corpus, capsys, resume):
+    shutil.rmtree(copy / "ckpt")
+    (copy / "ckpt").symlink_to(copy / "ckpt")
+    assert run(copy, corpus, *(["--resume"] if resume else [])) == train.EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a symbolic link that leads nowhere" in err[0], err
+
+
+def test_a_fresh_start_empties_a_linked_checkpoint_directory(copy, corpus, tmp_path, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(copy / "ckpt", elsewhere)
+    (copy / "ckpt").symlink_to(elsewhere, target_is_directory=True)
+    assert run(copy, corpus, "--steps", "2") == 0
+    assert (copy / "ckpt").is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == ["2"]
+
+
+def test_a_full_disk_under_the_log_is_one_line(tmp_path, corpus, monkeypatch, capsys):
+    """log.jsonl's write of step 3 meets a full disk: one line, status 1, config.json
+    says so, and --resume continues from the checkpoint of step 2."""
+    import report
+
+    class FullAfter:
+        """log.jsonl opened for appending, whose fourth write (step 3) finds no space."""
+
+        def __init__(self, path, mode, buffering=-1):
+            self.file, self.writes = open(path, mode, buffering=buffering), 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 4:
+                raise OSError(28, "No space left on device")
+            return self.file.write(data)
+
+        def close(self):
+            self.file.close()
+
+    monkeypatch.setattr(report, "open", FullAfter, raising=False)
+    assert run(tmp_path, corpus) == train.EXIT_FAILED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the record of step 3 could not be written to" in err[0], err
+    assert "the disk is full" in err[0] and "--resume continues" in err[0]
+    status = json.loads((tmp_path / "config.json").read_text())["status"]
+    assert status.startswith("failed: the record of step 3"), status
+    monkeypatch.undo()
+    assert run(tmp_path, corpus, "--resume") == 0
+    assert [r["step"] for r in log_of(tmp_path)] == [0, 1, 2, 3, 4]

@@ -258,3 +258,24 @@ def test_a_fifo_or_device_is_not_data(capsys, tmp_path):
     for path in (fifo, "/dev/zero"):
         refused(capsys, [*TINY, "--data", path, "--out", tmp_path / "out"],
                 "is neither a regular file nor a directory")
+
+
+def test_data_larger_than_memory_is_refused_before_the_read(capsys, tmp_path):
+    """A (sparse) 4 TB file without --max-bytes: its size is read first and the run
+    refused in one line saying what to do, instead of a MemoryError from the read."""
+    huge = tmp_path / "huge.txt"
+    try:
+        with open(huge, "wb") as f:
+            f.truncate(4 << 40)
+    except OSError:
+        pytest.skip("this file system holds no 4 TB sparse file")
+    refused(capsys, [*TINY, "--data", huge, "--out", tmp_path / "out"],
+            "holds 4,398,046,511,104 bytes", "with --max-bytes")
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    huge.rename(folder / "huge.txt")
+    refused(capsys, [*TINY, "--data", folder, "--out", tmp_path / "out"],
+            f"data directory {str(folder)!r} holds", "with --max-bytes")
+    # With --max-bytes the size does not matter (its zeros are then refused as not text).
+    refused(capsys, [*TINY, "--data", folder / "huge.txt", "--out", tmp_path / "out",
+                     "--max-bytes", 1000], "is not text")

@@ -280,4 +280,72 @@ def test_a_peer_that_never_starts_ends_the_wait_in_one_line(procs, tmp_path, cor
     text = procs.output(run)
     assert "waiting up to 3 s, --init-timeout" in text
     assert "train.py: error: not every process joined within 3 s" in text, text
+    assert "no process holds --process-id 1 in" in text, text
     assert "Traceback" not in text
+
+
+def _in_process(argv, capsys):
+    """``train.main(argv)`` in this process: (status, its error lines)."""
+    if str(TRAIN.parent) not in sys.path:  # as the other in-process tests import it
+        sys.path.insert(0, str(TRAIN.parent))
+    import train
+    capsys.readouterr()
+    status = train.main([str(a) for a in argv])
+    return status, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_a_second_run_on_one_out_is_refused_and_a_killed_one_holds_nothing(procs, tmp_path,
+                                                                             corpus, capsys):
+    """Two runs on one --out: the second (fresh or --resume) is refused in one line naming
+    the first; the first's log stays its own. kill -9 of the first frees the folder."""
+    out = tmp_path / "out"
+    common = [*TINY, "--data", corpus, "--out", out, "--ckpt-every", 2]
+    first = procs.start("first", *common)
+    procs.until(lambda: logged_steps(out) >= 3, [first], RUN_TIMEOUT_S, "two steps")
+    for extra in ([], ["--resume"]):
+        status, err = _in_process([*common, *extra], capsys)
+        assert status == 2 and len(err) == 1, err
+        assert err[0].startswith(f"train.py: error: --out {out} is in use by another run: "
+                                 f"pid {first.pid} on host "), err
+    first.kill()
+    first.wait()
+    steps = [r["step"] for r in read_log(out)]
+    assert steps == list(range(len(steps)))                   # one run's lines only
+    resumed = procs.start("resumed", *common, "--resume")
+    assert procs.wait([resumed], RUN_TIMEOUT_S) == [0], procs.report([resumed])
+    assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
+
+
+def test_a_duplicate_process_id_is_named_by_both(procs, tmp_path, corpus):
+    """Two processes given --process-id 0: the second is refused at once, and the first
+    stops waiting for the missing process 1, naming the duplicate (no jax abort)."""
+    out, port = tmp_path / "out", free_port()
+    pair = [procs.start(f"dup{i}", *TINY, "--data", corpus, "--out", out, "--distributed",
+                        "--coordinator", f"127.0.0.1:{port}", "--num-processes", 2,
+                        "--process-id", 0, "--init-timeout", 60) for i in range(2)]
+    assert procs.wait(pair, RUN_TIMEOUT_S) == [2, 2], procs.report(pair)
+    errors = sorted([line for line in procs.output(p).splitlines() if "error" in line]
+                    for p in pair)
+    assert [len(e) for e in errors] == [1, 1], procs.report(pair)
+    refused, waiting = sorted(e[0] for e in errors)
+    assert refused.startswith("train.py: error: --process-id 0 is taken in --out"), refused
+    assert "give each of the 2 processes its own --process-id" in refused
+    assert "--process-id 0 was given to two processes of this run" in waiting, waiting
+    assert "Traceback" not in procs.report(pair)
+
+
+@pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
+def test_processes_started_with_other_settings_refuse_naming_them(procs, tmp_path, corpus):
+    """Process 1 with another --seed and --steps: both refuse at the start in the same
+    line, naming both flags and each process's value (they would train on mismatched
+    batches, or hang at the step where one stops)."""
+    port = free_port()
+    pair = [procs.start(f"p{i}", *TINY, "--data", corpus, "--out", tmp_path / "out",
+                        "--distributed", "--devices", 1, "--coordinator", f"127.0.0.1:{port}",
+                        "--num-processes", 2, "--process-id", i, *extra)
+            for i, extra in enumerate([[], ["--seed", 7, "--steps", 10]])]
+    assert procs.wait(pair, RUN_TIMEOUT_S) == [2, 2], procs.report(pair)
+    lines = [[line for line in procs.output(p).splitlines() if "error" in line] for p in pair]
+    assert lines[0] == lines[1] and len(lines[0]) == 1, procs.report(pair)
+    assert "--seed (process 0: 0, process 1: 7)" in lines[0][0], lines[0]
+    assert "--steps (process 0: 40, process 1: 10)" in lines[0][0], lines[0]

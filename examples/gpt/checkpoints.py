@@ -164,6 +164,8 @@ def verify(step_dir: Path) -> str | None:
         return "no checksum: its write did not finish, or an earlier train.py wrote it"
     except (OSError, ValueError, KeyError, TypeError):
         return "its checksum file is unreadable"
+    if not isinstance(expected, dict):  # e.g. {"files": []}: not what write_checksum writes
+        return "its checksum file is unreadable"
     try:
         found = _file_digests(step_dir)
     except OSError as e:
@@ -331,14 +333,24 @@ class Checkpoints:
             try:
                 yield
             except Exception as e:
-                kept = max(self.intact, default=None)
-                keeps = (f"the checkpoint of step {kept} is kept" if kept is not None
-                         else "no earlier checkpoint")
                 raise CheckpointError(
                     f"the checkpoint of step {step} could not be written to {self.directory}: "
-                    f"{write_problem(e)}; {keeps} (--resume continues from it)") from None
+                    f"{write_problem(e)}; {self._kept()}") from None
 
         return reporting()
+
+    def _kept(self) -> str:
+        """What a failed write leaves to resume from, as found on disk now (the folder
+        may have gone with the error's cause)."""
+        for step in sorted(self.intact, reverse=True):
+            if (self.directory / str(step) / CHECKSUM).is_file():
+                return f"the checkpoint of step {step} is kept (--resume continues from it)"
+        if not self.intact:
+            return "no earlier checkpoint: a new start begins from step 0"
+        if not self.directory.is_dir():
+            return (f"{self.directory} is gone, and with it every checkpoint: a new start "
+                    f"begins from step 0")
+        return "no checkpoint is left: a new start begins from step 0"
 
     def _seal(self) -> None:
         """After a write: its checksum, then the steps beyond ``keep`` older than it."""

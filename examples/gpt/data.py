@@ -65,6 +65,32 @@ def _read(path: Path, limit: int | None) -> tuple[bytes, bool]:
         return data, not f.read(1)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory free for new allocations (Linux's ``MemAvailable``), else the free
+    physical pages; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_memory(size: int, what: str) -> None:
+    """Refuses, before reading, ``size`` bytes of data that would not fit in the free
+    memory: the read, the join and the split hold about twice the corpus at once."""
+    free = available_memory()
+    if free is not None and 2 * size > free:
+        raise ValueError(f"{what} holds {size:,} bytes; reading it whole needs about twice "
+                         f"that, but {free:,} bytes of memory are free: read only a part of it "
+                         f"with --max-bytes (e.g. --max-bytes {max(1, free // 4):d})")
+
+
 def _join(paths: list[Path], max_bytes: int | None, *, check_text: bool) -> tuple[bytes, int, int]:
     """``(corpus, files read, files skipped as not text)``; stops once ``max_bytes`` are read."""
     chunks, total, skipped = [], 0, 0
@@ -138,6 +164,8 @@ def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = N
     if not p.exists():
         raise FileNotFoundError(f"data path {str(p)!r} does not exist")
     if p.is_file():
+        if max_bytes is None:
+            check_memory(p.stat().st_size, f"data file {str(p)!r}")
         data, whole = _read(p, max_bytes)
         if not data:
             raise ValueError(f"data file {str(p)!r} is empty")
@@ -154,6 +182,8 @@ def read_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = N
         for f in p.rglob("*")
         if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
     )
+    if max_bytes is None:
+        check_memory(sum(f.stat().st_size for f in files), f"data directory {str(p)!r}")
     data, n_read, n_skipped = _join(files, max_bytes, check_text=True)
     if n_read == 0:
         raise ValueError(f"data directory {str(p)!r} holds no text files ({len(files)} files, "

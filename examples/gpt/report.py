@@ -24,33 +24,92 @@ def strict_record(record: dict) -> dict:
     return out
 
 
+class LogError(ValueError):
+    """``log.jsonl`` is damaged beyond a cut last line: one line for the user."""
+
+
+class LogWriteError(Exception):
+    """A record could not be written to ``log.jsonl`` (a full disk, a lost mount): one line."""
+
+
+def read_records(path: Path) -> tuple[list[dict], str | None]:
+    """``(records, cut)``: the records of ``log.jsonl``, and the text of its last line if
+    that was cut off (a crash or a full disk while it was written: no newline, or not
+    JSON), which is left out. Any other line that is not a JSON record raises ``LogError``."""
+    lines = Path(path).read_bytes().split(b"\n")
+    tail = lines.pop()  # after the last newline: b"" when the file ends with one
+    records, cut = [], None
+    if tail.strip():  # no newline after it: cut, unless it is a whole record
+        try:
+            json.loads(tail)
+            lines.append(tail)
+        except ValueError:
+            cut = tail.decode(errors="replace")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError as e:
+            if number == len(lines) and cut is None:  # the last line: cut, its newline kept
+                cut = line.decode(errors="replace")
+                break
+            raise LogError(f"{path}: line {number} is not a log record ({e}); the log is "
+                           f"damaged: repair or remove that line") from None
+        records.append(record)
+    return records, cut
+
+
 def read_log(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of ``log.jsonl`` (a cut last line left out)."""
+    return read_records(path)[0]
 
 
 class RunLog:
     """``log.jsonl`` of one run. On resume it keeps the records up to the start step.
 
     Only process 0 writes (``write=False`` elsewhere); every process keeps the records.
+    ``cut``: the text of a cut last line found on resume and dropped (None: none).
+
+    Each record goes out in one unbuffered write of its whole line, so a crash leaves at
+    most the line being written cut, never a line held back in a buffer; a resume drops
+    such a line. The kept records are rewritten to a temporary file that replaces the
+    log, so a crash during the rewrite leaves the old log whole.
     """
 
     def __init__(self, path: Path, start: int, write: bool):
         self.path = path
-        self.records = []
+        self.records, self.cut = [], None
         if start > 0 and path.exists():
-            self.records = [r for r in read_log(path) if r["step"] <= start]
-        self._file = open(path, "w") if write else None
-        if self._file is not None:
-            self._file.writelines(json.dumps(r, allow_nan=False) + "\n" for r in self.records)
-            self._file.flush()
+            records, self.cut = read_records(path)
+            self.records = [r for r in records if r["step"] <= start]
+        self._file = None
+        if write:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(b"".join(self._line(r) for r in self.records))
+            tmp.replace(path)
+            self._file = open(path, "ab", buffering=0)
+
+    @staticmethod
+    def _line(record: dict) -> bytes:
+        return (json.dumps(record, allow_nan=False) + "\n").encode()
 
     def write(self, record: dict) -> None:
         record = strict_record(record)
         self.records.append(record)
         if self._file is not None:
-            self._file.write(json.dumps(record, allow_nan=False) + "\n")
-            self._file.flush()
+            data = memoryview(self._line(record))
+            try:
+                while data:  # one write; a loop only if the OS takes part of it
+                    data = data[self._file.write(data):]
+            except OSError as e:
+                from checkpoints import write_problem
+
+                raise LogWriteError(f"the record of step {record.get('step')} could not be "
+                                    f"written to {self.path}: {write_problem(e)}; --resume "
+                                    f"continues from the last checkpoint") from None
 
     def close(self) -> None:
         if self._file is not None:

@@ -18,6 +18,9 @@ Everything lands under ``--out`` (default ``runs/gpt``):
     ckpt/<step>/       orbax checkpoints: params, optimizer state (portable: any device
                        count, any mode), step (= data position)
     adamw/             with --compare adamw: the AdamW run's log.jsonl and ckpt/
+    .lock.<id>         the lock process <id> holds while it runs: a second run on the same
+                       --out is refused (outlock.py); --distributed processes check at the
+                       start that they agree on the run's settings, data and code (agree.py)
 
 The data is a pure function of the step (``ByteDataset.batch(step)``), so a checkpoint
 needs only the step to continue the data stream, and ``--resume`` reproduces the loss
@@ -45,12 +48,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib.util
 import math
 import os
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +68,7 @@ if importlib.util.find_spec("muon_optax") is None:  # a checkout without `pip in
 # numpy and the standard library only: no jax before the arguments are checked
 from checkpoints import CheckpointError  # noqa: E402
 from data import DEFAULT_MAX_BYTES, VOCAB_SIZE, ByteDataset  # noqa: E402
+from report import LogWriteError  # noqa: E402
 from stopping import EXIT_SIGINT, EXIT_SIGTERM, SIGNAL_NAMES, StopSignals  # noqa: E402
 
 # The default run: ~4 minutes on 2 idle CPU cores (see the notes in the README section).
@@ -326,6 +332,10 @@ def _check_out(args: argparse.Namespace) -> None:
                 raise UsageError(f"--out {args.out}: {path} is a file, not a directory")
             break
     for ckpt in (out / "ckpt", out / "adamw" / "ckpt"):
+        if ckpt.is_symlink() and not ckpt.exists():
+            raise UsageError(f"--out {args.out}: {ckpt} is a symbolic link that leads nowhere "
+                             f"(a loop, or its target is gone): remove it, or point it at a "
+                             f"directory")
         if args.resume and ckpt.exists() and not ckpt.is_dir():
             raise UsageError(f"--resume: {ckpt} is a file, not a checkpoint directory")
 
@@ -364,6 +374,9 @@ def _load_data(args: argparse.Namespace) -> ByteDataset:
                                      max_bytes=args.max_bytes, seed=args.seed)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
+    except MemoryError:
+        raise UsageError(f"--data {args.data}: out of memory while reading it; read only a "
+                         f"part of it with --max-bytes") from None
 
 
 def _simulate_cpu_devices(n: int) -> None:
@@ -386,11 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         dataset = _load_data(args)
         if args.devices > 1 and "jax" not in sys.modules:
             _simulate_cpu_devices(args.devices)
+        if not args.distributed or args.process_id is not None:
+            _hold_out(args, argv, args.process_id or 0)  # else once jax knows the id
         return _train_all(args, dataset, argv)
     except UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except CheckpointError as e:
+    except (CheckpointError, LogWriteError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except RunFailed as e:
@@ -403,6 +418,42 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted (no checkpoint written)", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        while _HELD:
+            _HELD.pop().release()
+
+
+_HELD: list = []  # this process's outlock.OutLock, released when main returns
+
+
+def _run_identity(args: argparse.Namespace) -> dict:
+    """What the processes of one run share, as the lock files record it."""
+    if not args.distributed:
+        return {"coordinator": None, "num_processes": 1}
+    return {"coordinator": args.coordinator, "num_processes": args.num_processes}
+
+
+def _hold_out(args: argparse.Namespace, argv: list[str], process_id: int) -> None:
+    """Takes this process's lock in ``--out`` (``outlock.py``): a run already there, or
+    another process with this ``--process-id``, is refused in one line naming it."""
+    from outlock import FolderBusy, OutLock
+
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: cannot create the directory ({e})") from None
+    try:
+        _HELD.append(OutLock(out, process_id, _run_identity(args), argv).acquire())
+    except FolderBusy as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a file system without locks
+            print(f"train.py: warning: --out {args.out} takes no file locks ({e.strerror}): "
+                  f"nothing stops a second run from writing there too", file=sys.stderr)
+            return
+        raise UsageError(f"--out {args.out}: cannot hold a lock file there ({e.strerror})"
+                         ) from None
 
 
 # ----------------------------------------------------------------------------- setup
@@ -442,8 +493,6 @@ def _init_distributed(args: argparse.Namespace) -> None:
     """``jax.distributed.initialize``, said before it waits, and bounded by
     ``--init-timeout``: jax's own timeout ends the process with an abort (status 134)
     after its tracebacks, so a watchdog says so in one line first and exits 2."""
-    import threading
-
     import jax
 
     # The agreed stop relies on jax's preemption service (on by default): keep it on.
@@ -452,15 +501,8 @@ def _init_distributed(args: argparse.Namespace) -> None:
     print(f"train.py: joining the other processes{where} (waiting up to {args.init_timeout} s, "
           f"--init-timeout)", file=sys.stderr, flush=True)
 
-    def give_up():
-        sys.stderr.write(f"train.py: error: not every process joined within {args.init_timeout}"
-                         f" s (--init-timeout): start every process with the same --coordinator "
-                         f"and --num-processes, or check the network\n")
-        sys.stderr.flush()
-        os._exit(EXIT_USAGE)
-
-    watchdog = threading.Timer(args.init_timeout, give_up)
-    watchdog.daemon = True
+    watchdog = threading.Thread(target=_watch_join, args=(args, time.time()), daemon=True)
+    _JOINED.clear()
     watchdog.start()
     try:
         jax.distributed.initialize(coordinator_address=args.coordinator,
@@ -472,7 +514,53 @@ def _init_distributed(args: argparse.Namespace) -> None:
                          "cluster it detects (SLURM, Open MPI, Cloud TPU), pass --coordinator "
                          "host:port, --num-processes and --process-id") from None
     finally:
-        watchdog.cancel()
+        _JOINED.set()
+
+
+_JOINED = threading.Event()  # set once jax.distributed.initialize has returned
+
+
+def _watch_join(args: argparse.Namespace, since: float) -> None:
+    """While ``jax.distributed.initialize`` waits: a duplicate of this run's process ids
+    refused meanwhile (``outlock``'s note) ends the wait at once, naming it; after
+    ``--init-timeout`` the wait ends naming the ids that no process holds. One line, then
+    exit 2 (jax's own timeout aborts with status 134 after its tracebacks)."""
+    from outlock import describe, missing_ids, refusals
+
+    out, run = Path(args.out), _run_identity(args)
+    while not _JOINED.wait(0.5):
+        refused = refusals(out, run) if args.process_id is not None else []
+        if refused:
+            pid, info = refused[0]
+            _give_up(f"--process-id {pid} was given to two processes of this run ({describe(info)}"
+                     f" was refused): restart every process with its own --process-id")
+        if time.time() - since > args.init_timeout:
+            missing = (missing_ids(out, args.num_processes)
+                       if args.num_processes and args.process_id is not None else [])
+            which = (f": no process holds --process-id {', '.join(map(str, missing))} in "
+                     f"{out}" if missing else "")
+            _give_up(f"not every process joined within {args.init_timeout} s (--init-timeout)"
+                     f"{which}; start every process with the same --coordinator and "
+                     f"--num-processes, each with its own --process-id, or check the network")
+
+
+def _give_up(message: str) -> None:
+    if _JOINED.is_set():
+        return
+    sys.stderr.write(f"train.py: error: {message}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_USAGE)
+
+
+def _agree(args: argparse.Namespace, dataset: ByteDataset) -> None:
+    """Every process checks, once, that all were started with the same settings, data
+    and code (``agree.py``); a difference is refused on every process in one line."""
+    import agree
+
+    try:
+        agree.check(agree.settings(args, dataset.fingerprint, agree.code_fingerprint()))
+    except agree.Disagreement as e:
+        raise UsageError(str(e)) from None
 
 
 def _pick_devices(args: argparse.Namespace) -> list:
@@ -527,11 +615,15 @@ def _setup(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> C
     import jax
     import jax.numpy as jnp
     from jax.sharding import AxisType
+
+    if args.distributed:  # first: no library import may touch the backend before it
+        _init_distributed(args)
+        if args.process_id is None:  # detected by jax: the lock comes only now
+            _hold_out(args, argv, jax.process_index())
+        _agree(args, dataset)
     from optim_setup import nanochat_batch_lr_scale
     from parallel import Layout
 
-    if args.distributed:
-        _init_distributed(args)
     devices = _pick_devices(args)
     mesh = None
     if args.distributed or args.fsdp or len(devices) > 1:
@@ -675,8 +767,24 @@ def _prepare_out(ctx: Context) -> None:
             print(f"starting afresh: removing {' and '.join(str(p.resolve()) for p in stale)} "
                   f"of an earlier run (pass --resume to continue it)")
         for path in stale:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            _remove(path)
     _sync(ctx, "train.py: output directory ready")
+
+
+def _remove(path: Path) -> None:
+    """Removes an earlier run's ``path``; a symbolic link to a directory (checkpoints kept
+    on another disk) stays, emptied."""
+    try:
+        if path.is_symlink() and path.is_dir():
+            for child in path.iterdir():
+                _remove(child)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot remove {path} of an earlier run ({e.strerror}); remove it "
+                         f"yourself, or pass --resume to continue that run") from None
 
 
 def _sync(ctx: Context, name: str) -> None:
@@ -724,6 +832,20 @@ def _write_config(ctx: Context, status: str, results: dict) -> None:
         write_json(Path(ctx.args.out) / "config.json", _config_record(ctx, status, results))
 
 
+def _record_failure(ctx: Context, error: Exception) -> None:
+    """``config.json``'s status becomes the failure; where that write fails too (the disk
+    that failed the checkpoint is full, ``--out`` is gone), the error's one line says so
+    instead of a second traceback."""
+    from checkpoints import write_problem
+
+    try:
+        _write_config(ctx, f"failed: {error}", {})
+    except OSError as e:
+        out = Path(ctx.args.out)
+        why = (f"{out} is gone" if not out.is_dir() else write_problem(e))
+        error.args = (f"{error}; config.json still says \"running\" ({why})",)
+
+
 # ----------------------------------------------------------------------------- the job
 
 
@@ -734,8 +856,8 @@ def _train_all(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) 
     t_start = time.perf_counter()
     try:
         results, status, received = _run_optimizers(ctx)
-    except (UsageError, CheckpointError, RunFailed) as e:  # config.json says so, not "running"
-        _write_config(ctx, f"failed: {e}", {})
+    except (UsageError, CheckpointError, LogWriteError, RunFailed) as e:  # not "running"
+        _record_failure(ctx, e)
         raise
     return _finish(ctx, results, status, received, time.perf_counter() - t_start)
 
@@ -1069,25 +1191,45 @@ def _open_run(ctx: Context, name: str, run_dir: Path) -> Run:
 
 def _train_one(ctx: Context, name: str, run_dir: Path, stop: StopSignals) -> dict:
     """Trains one optimizer from the shared init, or from its checkpoint with --resume."""
-    from report import RunLog
-
     run = _open_run(ctx, name, run_dir)
     stop.register(run.start)
     _initial_state(ctx, run)
-    run.log = RunLog(run_dir / "log.jsonl", run.start, ctx.is_main)
+    run.log = _open_log(ctx, run)
     if run.start == 0:
         run.log.write({"step": 0, **_evaluate(ctx, run)})
     if run.start >= ctx.args.steps:
         if ctx.is_main:
             print(f"[{name}] already trained for {run.start} steps; nothing to do")
     else:
-        _run_steps(ctx, run, stop)
+        try:
+            _run_steps(ctx, run, stop)
+        except LogWriteError:
+            run.ckpts.close()  # the checkpoint being written is finished and sealed
+            raise
     run.ckpts.close()
     run.log.close()
     return {"stopped": run.stopped, "diverged": run.diverged, "start": run.start,
             "end": run.end, "compile_s": run.compile_s, "train_s": run.train_s,
             "records": run.log.records, "ckpt_dir": run.ckpts.directory,
             "log": run_dir / "log.jsonl"}
+
+
+def _open_log(ctx: Context, run: Run):
+    """``log.jsonl`` from the start step on; a last line cut by a crash is dropped with a
+    line saying so, other damage is refused in one line."""
+    from report import LogError, RunLog
+
+    try:
+        log = RunLog(run.run_dir / "log.jsonl", run.start, ctx.is_main)
+    except LogError as e:
+        run.ckpts.close()
+        raise UsageError(f"--resume: {e}") from None
+    if log.cut is not None and ctx.is_main:
+        text = log.cut if len(log.cut) <= 60 else log.cut[:57] + "..."
+        print(f"train.py: [{run.name}] the last line of {log.path} was cut off (a crash or a "
+              f"full disk while it was written): dropped it ({text!r}); resuming from step "
+              f"{run.start}", file=sys.stderr)
+    return log
 
 
 def _evaluate(ctx: Context, run: Run) -> dict:
