@@ -183,3 +183,17 @@ def test_aot_names_a_bad_topology_and_the_flags_it_cannot_take(capsys, tmp_path,
     assert "--aot v5p:3x3x3x3: not a TPU topology libtpu knows" in capsys.readouterr().err
     assert train.main([*args, "--aot", "v5p:2x2x1", "--devices", "2"]) == 2
     assert "drop --devices 2" in capsys.readouterr().err
+
+
+@needs_libtpu
+def test_aot_refuses_a_step_too_big_for_the_chip_in_one_line(capsys, tmp_path, corpus):
+    big = tmp_path / "big.txt"   # 192 x 4097 bytes per batch and 20 times that in all
+    big.write_bytes(corpus.read_bytes() * 400)
+    status = train.main(["--depth", "1", "--seq-len", "4096", "--batch-size", "192",
+                         "--aot", "v5e:1x1", "--data", str(big), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith(
+        "train.py: error: --aot v5e:1x1: the train step does not fit a chip ("), err
+    assert "HBM" in err[0] and err[0].endswith(
+        "lower --batch-size, --seq-len or --depth, or use --dtype bfloat16"), err

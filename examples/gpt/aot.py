@@ -148,6 +148,16 @@ def report(ctx, name: str, compiled, seconds: float) -> tuple[list[str], bool]:
     return lines, fits
 
 
+def _advice(ctx) -> str:
+    """What would make the step smaller, for this run."""
+    moves = ["lower --batch-size, --seq-len or --depth"]
+    if ctx.args.dtype == "float32":
+        moves.append("use --dtype bfloat16")
+    if ctx.num_devices > 1 and not ctx.place.fsdp:
+        moves.append("split params, grads and state over the chips with --fsdp")
+    return ", or ".join(moves)
+
+
 def dry_run(ctx, build_steps, usage_error) -> int:
     """Compiles each of the run's optimizers' train steps (``build_steps(name)`` ->
     ``parallel.Steps``) for the topology and prints :func:`report`; 0 if every step
@@ -166,15 +176,13 @@ def dry_run(ctx, build_steps, usage_error) -> int:
             if memory.is_out_of_memory(e):
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
                 raise usage_error(f"--aot {ctx.args.aot}: the train step does not fit a chip "
-                                  f"({first}); lower --batch-size, --seq-len or --depth, or "
-                                  f"use --dtype bfloat16 or --fsdp") from None
+                                  f"({first}); {_advice(ctx)}") from None
             raise
         lines, ok = report(ctx, name, compiled, seconds)
         print("\n".join(lines), flush=True)
         fits = fits and ok
     if not fits:
         print(f"train.py: error: --aot {ctx.args.aot}: the train step does not fit a chip's "
-              f"HBM; lower --batch-size, --seq-len or --depth, or use --dtype bfloat16 or "
-              f"--fsdp", file=sys.stderr)
+              f"HBM; {_advice(ctx)}", file=sys.stderr)
         return 2
     return 0
