@@ -91,7 +91,9 @@ def _abstract(tree, sharding):
 
 
 def compile_step(ctx, steps):
-    """``(compiled train step, seconds)`` for ``steps`` (``parallel.Steps``) of ``ctx``."""
+    """``(compiled train step, (wall seconds, CPU seconds))`` for ``steps``
+    (``parallel.Steps``) of ``ctx``: lowering and compiling. The CPU time (all of this
+    process's threads) varies less than the wall time on a shared machine."""
     import jax
     import jax.numpy as jnp
 
@@ -99,9 +101,9 @@ def compile_step(ctx, steps):
     params = _abstract(ctx.abstract_params, steps.params)
     state = _abstract(jax.eval_shape(steps.init, ctx.abstract_params), steps.state)
     batch = jax.ShapeDtypeStruct((a.batch_size, a.seq_len), jnp.int32, sharding=ctx.place.rows)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     compiled = steps.train.lower(params, state, batch, batch).compile()
-    return compiled, time.perf_counter() - t0
+    return compiled, (time.perf_counter() - t0, time.process_time() - c0)
 
 
 def collectives(compiled, num_devices: int) -> dict[str, dict[str, float]]:
@@ -113,7 +115,7 @@ def collectives(compiled, num_devices: int) -> dict[str, dict[str, float]]:
     return loop_collectives(compiled.as_text(), num_devices)
 
 
-def report(ctx, name: str, compiled, seconds: float) -> tuple[list[str], bool]:
+def report(ctx, name: str, compiled, seconds: tuple[float, float]) -> tuple[list[str], bool]:
     """The lines printed for one optimizer's step, and whether it fits in HBM."""
     a, est, n = ctx.args, ctx.estimate, ctx.num_devices
     mem = compiled.memory_analysis()
@@ -124,7 +126,8 @@ def report(ctx, name: str, compiled, seconds: float) -> tuple[list[str], bool]:
     chips = f"{n} chip{'s' if n > 1 else ''}, {ctx.devices[0].device_kind}"
     lines = [
         f"[{name}] --aot {a.aot} ({chips}), {ctx.place.mode}: the train step (forward, "
-        f"backward, optimizer) compiled by the TPU compiler in {seconds:.1f} s; nothing ran",
+        f"backward, optimizer) compiled by the TPU compiler in {seconds[0]:.1f} s ("
+        f"{seconds[1]:.1f} s of CPU); nothing ran",
         f"  per chip, from shapes: params {_gib(est.params)}, grads {_gib(est.grads)}, "
         f"optimizer state {_gib(est.state[name])}",
         f"  per chip, compiled: arguments {_gib(args_b)} (params, optimizer state, batch), "
