@@ -6,6 +6,7 @@
     python examples/gpt/train.py --devices 4 --fsdp    # params, grads and state sharded
     python examples/gpt/train.py --resume              # continue from the last checkpoint
     python examples/gpt/train.py --data my_texts/ --depth 6 --steps 2000
+    python examples/gpt/train.py --aot v5p:2x2x2 --depth 12  # fits a TPU slice? (aot.py)
 
 Everything lands under ``--out`` (default ``runs/gpt``):
 
