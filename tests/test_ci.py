@@ -17,17 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("dirname", "rm", "mktemp", "chmod", "sort", "mkdir", "cat")
 
 # A Python of the given version: answers --version and the script's two -c questions; as
-# python3 it makes a fake .venv whose pip logs PIP_CONSTRAINT and whose pytest exits with
-# the number in $FAKE/rc_<version> (0 if absent).
+# python3 it makes a fake venv (.venv or .venv-tpu, tagged <version> or <version>-tpu)
+# whose pip logs the tag, PIP_CONSTRAINT and its arguments, and whose python logs the tag
+# and its arguments; its pytest exits with the number in $FAKE/rc_<tag> (0 if absent).
 PYTHON = """#!/bin/sh
 case "$1" in
   --version) echo "Python {version}" ;;
   -c) case "$2" in *executable*) echo "$0" ;; *) exit {too_old} ;; esac ;;
   -m) mkdir -p "$3/bin"
-      printf '#!/bin/sh\\necho "{version} ${{PIP_CONSTRAINT:-none}}" >> "$FAKE/pip.log"\\n' \\
-          > "$3/bin/pip"
+      tag="{version}${{3#.venv}}"
+      printf '#!/bin/sh\\necho "%s ${{PIP_CONSTRAINT:-none}} $*" >> "$FAKE/pip.log"\\n' \\
+          "$tag" > "$3/bin/pip"
       printf '#!/bin/sh\\n[ "$1" = - ] && {{ echo "Python {version}, jax fake"; exit 0; }}\\n'\\
-'exit $(cat "$FAKE/rc_{version}" 2>/dev/null || echo 0)\\n' > "$3/bin/python"
+'echo "%s $*" >> "$FAKE/python.log"\\n[ "$2" = pytest ] || exit 0\\n'\\
+'exit $(cat "$FAKE/rc_%s" 2>/dev/null || echo 0)\\n' "$tag" "$tag" > "$3/bin/python"
       chmod +x "$3/bin/pip" "$3/bin/python" ;;
 esac
 """
@@ -105,10 +108,29 @@ def test_runs_both_legs_and_fails_when_pytest_collects_nothing(repo):
     summary = res.stdout.split("=== summary\n")[1].splitlines()
     assert [re.sub(r" in \d+ s$", "", line) for line in summary] == [
         "oldest: Python 3.11.7, jax fake: FAILED: pytest collected no tests (exit 5)",
-        "newest: Python 3.13.0, jax fake: passed"]
+        "newest: Python 3.13.0, jax fake: passed; TPU compiler tests: passed"]
     pins = (repo / "pip.log").read_text().splitlines()
-    assert pins == [f"3.11.7 {repo}/repo/.ci/oldest-jax.txt", "3.13.0 none"]
+    assert pins == [f"3.11.7 {repo}/repo/.ci/oldest-jax.txt install -q -e .[test]",
+                    "3.13.0 none install -q -e .[test]",
+                    "3.13.0-tpu none install -q -e .[test,tpu]"]
     assert "jax==0.10.*" in (repo / "repo" / ".ci" / "oldest-jax.txt").read_text()
+
+
+def test_newest_leg_runs_the_tpu_tests_in_a_venv_of_their_own_and_fails_with_them(repo):
+    fake_python(repo / "bin" / "python3.13", "3.13.0")
+    (repo / "rc_3.13.0-tpu").write_text("1\n")
+    res = ci(repo, plan_only=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    summary = res.stdout.split("=== summary\n")[1].splitlines()
+    assert [re.sub(r" in \d+ s$", "", line) for line in summary] == [
+        "oldest: Python 3.11.7, jax fake: passed",
+        "newest: Python 3.13.0, jax fake: passed; TPU compiler tests: FAILED (exit 1)"]
+    calls = (repo / "python.log").read_text().splitlines()
+    assert calls == ["3.11.7 -m pytest -q -n 2", "3.13.0 -m pytest -q -n 2",
+                     "3.13.0-tpu -c import libtpu",   # else every TPU test would skip
+                     "3.13.0-tpu -m pytest -q -p no:xdist tests/test_tpu_compile.py"]
+    assert not (repo / "repo" / ".venv-tpu").exists()   # removed after its step
+    assert "then the TPU compiler's tests in .venv-tpu" in res.stdout
 
 
 def test_pyproject_readme_and_ci_name_the_same_oldest_jax_and_python():

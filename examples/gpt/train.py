@@ -6,6 +6,7 @@
     python examples/gpt/train.py --devices 4 --fsdp    # params, grads and state sharded
     python examples/gpt/train.py --resume              # continue from the last checkpoint
     python examples/gpt/train.py --data my_texts/ --depth 6 --steps 2000
+    python examples/gpt/train.py --aot v5p:2x2x2 --depth 12  # fits a TPU slice? (aot.py)
 
 Everything lands under ``--out`` (default ``runs/gpt``):
 
@@ -205,6 +206,10 @@ def _device_flags(dev) -> None:
     dev.add_argument("--init-timeout", type=int, default=300,
                      help="with --distributed: seconds to wait at the start for every process "
                           "to join; then one line and exit 2")
+    dev.add_argument("--aot", default=None, metavar="TOPOLOGY",
+                     help="dry run for a TPU slice (e.g. v5p:2x2x2, v5e:2x4, v5p:1 for one "
+                          "chip): compile the whole train step for it without a TPU, print "
+                          "memory per chip and collectives, exit; needs libtpu (aot.py)")
 
 
 def _flag(name: str) -> str:
@@ -396,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_args(args)
+        if args.aot:
+            from aot import check
+
+            check(args, UsageError)
         dataset = _load_data(args)
         if args.devices > 1 and "jax" not in sys.modules:
             _simulate_cpu_devices(args.devices)
@@ -566,7 +575,11 @@ def _agree(args: argparse.Namespace, dataset: ByteDataset) -> None:
 def _pick_devices(args: argparse.Namespace) -> list:
     import jax
 
-    if args.distributed:
+    if args.aot:
+        from aot import topology_devices
+
+        devices = topology_devices(args.aot, UsageError)
+    elif args.distributed:
         devices = jax.devices()
     elif args.devices > jax.device_count():
         raise UsageError(
@@ -851,6 +864,12 @@ def _record_failure(ctx: Context, error: Exception) -> None:
 
 def _train_all(args: argparse.Namespace, dataset: ByteDataset, argv: list[str]) -> int:
     ctx = _setup(args, dataset, argv)
+    if args.aot:  # compile for a TPU slice, run nothing, leave --out alone
+        from aot import dry_run
+
+        return dry_run(ctx, lambda name: _build_steps(ctx, *_make_tx(ctx, name,
+                                                                     ctx.abstract_params)),
+                       UsageError)
     _prepare_out(ctx)
     _write_config(ctx, "running", {})
     t_start = time.perf_counter()

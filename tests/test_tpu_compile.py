@@ -1,0 +1,199 @@
+"""The step as the TPU compiler builds it, for compile-only devices of a small TPU slice.
+
+With ``libtpu`` installed (``pip install -e ".[tpu]"``; CI's newest leg installs it in a
+venv of its own and runs only this module), ``jax.experimental.topologies`` gives the
+devices of a v5p slice without a TPU, and ``.lower(...).compile()`` runs the real TPU
+compiler. A tiny GPT's optimizer step compiles in every mode with the collectives the
+design promises and the polar iteration as a loop; the main job's ``--aot`` dry run
+compiles its whole train step in each of its modes and touches nothing. Without libtpu
+these tests are skipped, but for the one line ``--aot`` answers then.
+
+The tests' conftest asks XLA for 8 CPU devices; the TPU devices are another platform's
+and come on top.
+"""
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+# libtpu probes for a TPU host when it loads unless told where it is (5 s and a trace).
+for _key, _value in {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_ACCELERATOR_TYPE": "v5p-8",
+                     "TPU_WORKER_HOSTNAMES": "localhost"}.items():
+    os.environ.setdefault(_key, _value)
+
+pytest.importorskip("flax")
+pytest.importorskip("tqdm")
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "gpt"
+for path in (EXAMPLE, REPO):  # the example's modules; benchmarks.tpu_compile
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import train  # noqa: E402
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason='libtpu is not installed (pip install '
+                                  '-e ".[tpu]", Python 3.12+): no TPU compiler to run')
+TINY = ["--depth", "1", "--seq-len", "32", "--batch-size", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def chips():
+    """The 4 chips of a v5p 2x2x1 slice, compile-only."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    text = b"\n".join(p.read_bytes() for p in sorted(EXAMPLE.glob("*.py")))
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(text[:40_000])
+    return path
+
+
+# ----------------------------------------------------------------------------- optimizer step
+
+WIDTH, VOCAB = 256, 512   # 4 heads of 64: one per chip of the "model" axis under heads_tp
+
+
+def compile_step(contender: str, devices):
+    """``(params, optimized HLO, collectives)`` of ``benchmarks.tpu_compile``'s contender."""
+    from benchmarks import common, tpu_compile
+
+    params = common.nanochat_params(WIDTH, 1, VOCAB, abstract=True)
+    fn, args, _, _ = tpu_compile.build(contender, params, devices)
+    hlo = fn.lower(*args).compile().as_text()
+    return params, hlo, tpu_compile.loop_collectives(hlo, len(devices))
+
+
+def muon_shapes(params) -> set[tuple[int, ...]]:
+    """The shapes of the Muon matrices (the blocks' kernels)."""
+    import jax
+
+    return {tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(params)
+            if "blocks" in jax.tree_util.keystr(path)}
+
+
+def gathered_shapes(hlo: str) -> set[tuple[int, ...]]:
+    """The result shapes of the HLO's all-gathers."""
+    return {tuple(int(d) for d in dims.split(",")) for dims in
+            re.findall(r"= \w+\[([\d,]+)\][^ ]* all-gather(?:-start)?\(", hlo)}
+
+
+def assert_polar_loop(hlo: str) -> None:
+    """The polar iteration is a while loop over its coefficient table (a (steps, 3)
+    float32 carried beside a stack of matrices), not unrolled."""
+    loops = [line for line in hlo.splitlines() if re.search(r"\bwhile\(", line)]
+    assert any(re.search(r"f32\[\d+,3\]", line) and re.search(r"\w+\[\d+,\d+,\d+\]", line)
+               for line in loops), loops
+
+
+@needs_libtpu
+def test_one_chip_has_no_collectives_and_loops_the_polar_iteration(chips):
+    _, hlo, ops = compile_step("one_device", chips[:1])
+    assert ops == {}
+    assert_polar_loop(hlo)
+
+
+@needs_libtpu
+def test_fsdp_moves_muon_matrices_by_all_to_all_and_gathers_none(chips):
+    params, hlo, ops = compile_step("fsdp", chips)
+    assert set(ops) == {"all-to-all"}, ops      # to the owners and back, nothing else
+    assert ops["all-to-all"]["count"] == 2
+    assert not gathered_shapes(hlo) & muon_shapes(params)
+    assert_polar_loop(hlo)
+
+
+@needs_libtpu
+def test_zero2_reduce_scatters_by_all_to_all_and_gathers_the_params(chips):
+    import numpy as np
+
+    params, hlo, ops = compile_step("zero2", chips)
+    # TPU's compiler makes psum_scatter an all-reduce of the whole gradient and a slice;
+    # the sharded step sends each owner its share by all-to-all and sums it there.
+    assert ops["all-to-all"]["count"] >= 1 and "reduce-scatter" not in ops, ops
+    assert ops.get("all-reduce", {"bytes": 0})["bytes"] <= 64, ops   # scalars at most
+    matrices = sum(4 * int(np.prod(s)) for s in muon_shapes(params))
+    assert ops["all-gather"]["bytes"] >= matrices, ops   # the updated params, to every chip
+    assert_polar_loop(hlo)
+
+
+@needs_libtpu
+def test_head_blocks_under_head_parallel_stay_where_they_lie(chips):
+    params, hlo, ops = compile_step("heads_tp", chips)
+    attention = (WIDTH, WIDTH)
+    assert attention not in gathered_shapes(hlo)     # no attention kernel gathered whole
+    assert not gathered_shapes(hlo) & muon_shapes(params), gathered_shapes(hlo)
+    assert "all-reduce" not in ops and "reduce-scatter" not in ops, ops
+    assert_polar_loop(hlo)
+
+
+# ----------------------------------------------------------------------------- --aot dry run
+
+
+def test_aot_without_libtpu_says_how_to_install_it(monkeypatch, capsys, tmp_path, corpus):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else find_spec(name, *a))
+    status = train.main([*TINY, "--aot", "v5p:1", "--data", str(corpus),
+                         "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("train.py: error: --aot needs libtpu"), err
+    assert 'pip install -e ".[tpu]"' in err[0] and "Python 3.12" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology, extra, mode, collectives", [
+    ("v5p:1", [], "one device", ["none"]),
+    ("v5p:2x2x1", [], "ZeRO-2", ["all-to-all", "all-gather"]),
+    ("v5p:2x2x1", ["--fsdp"], "FSDP", ["all-to-all", "all-gather"]),
+], ids=["one chip", "ZeRO-2", "FSDP"])
+def test_aot_dry_run_compiles_the_whole_step_and_touches_nothing(
+        capsys, tmp_path, corpus, topology, extra, mode, collectives):
+    out = tmp_path / "out"
+    status = train.main([*TINY, "--aot", topology, "--data", str(corpus), "--out", str(out),
+                         *extra])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert f"[muon] --aot {topology} (" in text and f"), {mode}: the train step (forward, " \
+        "backward, optimizer) compiled by the TPU compiler" in text
+    assert re.search(r"per chip, from shapes: params [\d.]+ KiB, grads [\d.]+ KiB, optimizer "
+                     r"state [\d.]+ KiB", text)
+    assert re.search(r"temporaries [\d.]+ [KM]iB", text)
+    assert re.search(r"of 95 GiB HBM: [\d.]+%, fits", text)
+    line = next(ln for ln in text.splitlines() if "collectives per step:" in ln)
+    for kind in collectives:
+        assert kind in line, line
+    assert not out.exists()                      # nothing written, no directory made
+
+
+@needs_libtpu
+def test_aot_names_a_bad_topology_and_the_flags_it_cannot_take(capsys, tmp_path, corpus):
+    args = [*TINY, "--data", str(corpus), "--out", str(tmp_path / "out")]
+    assert train.main([*args, "--aot", "v5p:3x3x3x3"]) == 2
+    assert "--aot v5p:3x3x3x3: not a TPU topology libtpu knows" in capsys.readouterr().err
+    assert train.main([*args, "--aot", "v5p:2x2x1", "--devices", "2"]) == 2
+    assert "drop --devices 2" in capsys.readouterr().err
+
+
+@needs_libtpu
+def test_aot_refuses_a_step_too_big_for_the_chip_in_one_line(capsys, tmp_path, corpus):
+    big = tmp_path / "big.txt"   # 192 x 4097 bytes per batch and 20 times that in all
+    big.write_bytes(corpus.read_bytes() * 400)
+    status = train.main(["--depth", "1", "--seq-len", "4096", "--batch-size", "192",
+                         "--aot", "v5e:1x1", "--data", str(big), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith(
+        "train.py: error: --aot v5e:1x1: the train step does not fit a chip ("), err
+    assert "HBM" in err[0] and err[0].endswith(
+        "lower --batch-size, --seq-len or --depth, or use --dtype bfloat16"), err
