@@ -29,6 +29,7 @@ wrapper's part (its counters, its injected hyperparameters) as it is.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -87,8 +88,12 @@ def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any, Any]:
     return optax.GradientTransformation(init, None), inner_params, shapes
 
 
-# optax keeps no public name for add_decayed_weights' schedule state: take its type.
-_DECAY_SCHEDULE = type(optax.add_decayed_weights(lambda count: 0.0).init(None))
+@functools.cache
+def _decay_schedule() -> type:
+    """The type of add_decayed_weights' schedule state (optax keeps no public name for
+    it). Taken on first use, not at import: building it runs jax, which must wait for a
+    multi-process run's jax.distributed.initialize."""
+    return type(optax.add_decayed_weights(lambda count: 0.0).init(None))
 
 
 def _coeff_rows(tx: Any) -> np.ndarray:
@@ -104,13 +109,13 @@ def _rest(tx: Any, count: Any) -> dict[str, tuple[tuple[str, Any], ...]]:
         return state_type(count=count) if callable(value) else optax.EmptyState()
 
     muon, adam = configs[MUON], configs[ADAM]
-    decay = counted(muon.weight_decay, _DECAY_SCHEDULE)
+    decay = counted(muon.weight_decay, _decay_schedule())
     if MUON_NO_DECAY in configs:
         decay = MaskedState(decay)
     return {"muon": (("scale_by_shape", optax.EmptyState()),
                      ("weight_decay, weight_decay_mask", decay),
                      ("learning_rate", counted(muon.lr, optax.ScaleByScheduleState))),
-            "adam": (("adam_weight_decay", counted(adam.weight_decay, _DECAY_SCHEDULE)),
+            "adam": (("adam_weight_decay", counted(adam.weight_decay, _decay_schedule())),
                      ("adam_learning_rate (or learning_rate)",
                       counted(adam.lr, optax.ScaleByScheduleState)))}
 
@@ -118,7 +123,7 @@ def _rest(tx: Any, count: Any) -> dict[str, tuple[tuple[str, Any], ...]]:
 def _describe(state: Any) -> str:
     kinds = {optax.EmptyState: "a constant (EmptyState)", MaskedState: "masked (MaskedState)",
              optax.ScaleByScheduleState: "a schedule (ScaleByScheduleState)",
-             _DECAY_SCHEDULE: "a schedule (WeightDecaySchedule)"}
+             _decay_schedule(): "a schedule (WeightDecaySchedule)"}
     text = kinds.get(type(state), type(state).__name__)
     if isinstance(state, MaskedState):
         text += f" of {_describe(state.inner_state)}"
