@@ -407,8 +407,10 @@ def import_commit(commit: str, folder: str):
     ``muon_optax_<commit>``, to measure it beside this checkout in one process."""
     name = f"muon_optax_{re.sub(r'[^0-9A-Za-z]', '_', commit)}"
     repo = Path(__file__).resolve().parents[1]
-    archive = subprocess.run(["git", "-C", str(repo), "archive", commit, "muon_optax"],
-                             check=True, capture_output=True).stdout
+    saved = repo / ".device" / f"{commit}.tar"   # a device machine gets no .git: see gpu_check
+    archive = saved.read_bytes() if saved.exists() else subprocess.run(
+        ["git", "-C", str(repo), "archive", commit, "muon_optax"],
+        check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
     package = Path(folder, name)
     Path(folder, "muon_optax").rename(package)

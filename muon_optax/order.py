@@ -28,7 +28,7 @@ def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
         return x
     # One element, sliced where it lies: prev.reshape(-1) is a relayout copy of all of
     # prev on a TPU, whose arrays are tiled.
-    v = jax.lax.slice(prev, (0,) * prev.ndim, (1,) * prev.ndim).reshape(()).astype(jnp.float32)
+    v = jax.lax.slice(prev, (0,) * prev.ndim, (1,) * prev.ndim).astype(jnp.float32).reshape(())
     zero = -(jnp.abs(jnp.where(jnp.isfinite(v), v, 0.0)) * 0.0)
     if x.dtype == jnp.float32:
         return x + zero

@@ -15,6 +15,7 @@ one XLA program, which is what nanochat gets from torch.compile'd kernels.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import operator
 from typing import Any
@@ -246,9 +247,22 @@ def _polynomial(gram: jax.Array, a: float, b: float, c: float) -> jax.Array:
     return m.astype(gram.dtype)
 
 
-# Tests set this to write the loops out (the polar steps, CPU's matrices), so that XLA's
-# cost analysis, which counts a loop's body once, sees all the work it measures.
+# Write the loops out (the polar steps, CPU's matrices): the GPU form (XLA:GPU runs a
+# while loop's iterations with a host round trip each: 0.6 ms of a 6 ms d768x12 step on
+# an H200), and tests, so that XLA's cost analysis (a loop body counted once) sees all
+# the work it measures. Read at trace time; see :func:`written_out`.
 UNROLL_STEPS = False
+
+
+@contextlib.contextmanager
+def written_out(on: bool = True):
+    """Traces the polar loops written out (``on``) inside the ``with`` block."""
+    global UNROLL_STEPS
+    before, UNROLL_STEPS = UNROLL_STEPS, on or UNROLL_STEPS
+    try:
+        yield
+    finally:
+        UNROLL_STEPS = before
 
 
 def _direct_step(x: jax.Array, a, b, c) -> jax.Array:

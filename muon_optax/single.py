@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muon_optax import polar
 from muon_optax.guard import scaled
 from muon_optax.layout import Stack
 from muon_optax.muon import MuonStackState, leaf_update, muon_step
@@ -137,14 +138,46 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
     """Every Muon leaf on one device: fills ``updates``; returns the new state buffers
     (one pair per stack). ``scale``: ``max_grad_norm``'s factor, or None.
 
-    Each stack runs in chunks of at most :func:`chunk_bytes` (its matrices batched), one
-    after another, and a leaf takes its update as soon as its last matrix is through:
-    each chunk's stacking copy waits for the previous chunk's updates, so one chunk's
+    The form depends on the platform the step is compiled for. CPU and TPU run each stack
+    in chunks of at most :func:`chunk_bytes`, the polar iteration a loop: the TPU
+    compiler's time and temporaries then scale with one chunk (BENCHMARKS.md, "The TPU
+    compiler"). GPUs run each stack as one batch, the iteration written out: on an H200
+    (d768x12) chunks took the step from 5.9 to 10.2 ms, and the loop added 0.6 ms.
+    """
+    def form(budget: int, unrolled: bool):
+        def run():
+            out = list(updates)
+            with polar.written_out(unrolled):
+                bufs = _stacks_in_chunks(plan, configs, hps, count, g_leaves, p_leaves,
+                                         state_muon, scale, out, budget)
+            return bufs, [out[m.index] for m in plan.muon]
+        return run
+
+    chunked, whole = form(chunk_bytes(plan), False), form(WHOLE, True)
+    if polar.FORCE_FORM is not None:
+        bufs, muon_updates = chunked()
+    else:
+        bufs, muon_updates = jax.lax.platform_dependent(cuda=whole, rocm=whole,
+                                                        default=chunked)
+    for m, u in zip(plan.muon, muon_updates):
+        updates[m.index] = u
+    return bufs
+
+
+# A budget no stack reaches: every stack one chunk.
+WHOLE = 1 << 62
+
+
+def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves,
+                      p_leaves, state_muon: tuple[MuonBuffers, ...], scale: jax.Array | None,
+                      updates: list, budget: int) -> tuple[MuonBuffers, ...]:
+    """Each stack in chunks of at most ``budget`` bytes (its matrices batched), one after
+    another, and a leaf takes its update as soon as its last matrix is through: each
+    chunk's stacking copy waits for the previous chunk's updates, so one chunk's
     temporaries and directions are alive at a time, and the compiled program holds one
     small kernel per chunk instead of a stack-sized one.
     """
     bufs = dict(zip(plan.state_keys, state_muon))
-    budget = chunk_bytes(plan)
     prev = None
     for sp in plan.owner.stacks:
         st, pieces, duals = sp.stack, {}, {}
