@@ -37,11 +37,9 @@ def _ring_bytes(hlo, n):
     return sum(op["ring"] for op in sp.collectives(hlo, n).values())
 
 
-@pytest.mark.parametrize("n", [3, 8])
-def test_estimate_matches_the_compiled_zero2_step(n):
-    params, labels, groups = sp.nanochat_like()
-    tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
-    est = muon_optax.estimate(tx, params, n)
+def _compiled_zero2_step(tx, params, n, est):
+    """The ZeRO-2 step of ``tx`` on ``n`` devices, compiled; its state's bytes per device
+    checked against ``est`` on the way."""
     mesh = sp.make_mesh((n,))
     specs = muon_optax.state_specs(tx, params, mesh)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
@@ -53,8 +51,16 @@ def test_estimate_matches_the_compiled_zero2_step(n):
         return optax.apply_updates(p, u), s
 
     grads = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), zeros)
-    compiled = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
-                                     out_specs=(P(), specs))).lower(zeros, state, grads).compile()
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs))).lower(zeros, state, grads).compile()
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_estimate_matches_the_compiled_zero2_step(n):
+    params, labels, groups = sp.nanochat_like()
+    tx = muon_optax.muon_adamw(groups, labels, axis_name="data")
+    est = muon_optax.estimate(tx, params, n)
+    compiled = _compiled_zero2_step(tx, params, n, est)
     flops = compiled.cost_analysis()["flops"]
     assert abs(est["program_flops"] - flops) <= 0.1 * flops, (est["program_flops"], flops)
     assert _ring_bytes(compiled.as_text(), n) == pytest.approx(est["collective_bytes"][0])
@@ -126,17 +132,5 @@ def test_estimate_counts_the_guard_in_zero2():
     tx = muon_optax.muon_adamw(groups, labels, axis_name="data", max_grad_norm=1.0,
                                skip_nonfinite=True)
     est = muon_optax.estimate(tx, params, n)
-    mesh = sp.make_mesh((n,))
-    specs = muon_optax.state_specs(tx, params, mesh)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(zeros)
-    assert _bytes_per_device(state, mesh) == est["state_bytes"]
-
-    def step(p, s, g):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
-        return optax.apply_updates(p, u), s
-
-    grads = jax.tree.map(lambda x: jnp.zeros((n,) + x.shape, x.dtype), zeros)
-    compiled = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
-                                     out_specs=(P(), specs))).lower(zeros, state, grads).compile()
+    compiled = _compiled_zero2_step(tx, params, n, est)
     assert _ring_bytes(compiled.as_text(), n) == pytest.approx(est["collective_bytes"][0])
