@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         dataset = _load_data(args)
         if args.devices > 1 and "jax" not in sys.modules:
             _simulate_cpu_devices(args.devices)
-        if not args.distributed or args.process_id is not None:
+        # --aot runs nothing and leaves --out alone: no lock to hold.
+        if not args.aot and (not args.distributed or args.process_id is not None):
             _hold_out(args, argv, args.process_id or 0)  # else once jax knows the id
         return _train_all(args, dataset, argv)
     except UsageError as e:
