@@ -232,15 +232,20 @@ def exact_optimum(k1: int, c1: int, k2: int, c2: int, n: int) -> int:
 
 def stack_costs(tx: optax.GradientTransformation, params: Any,
                 n: int) -> list[tuple[tuple[int, int], int, int, int]]:
-    """Per stack of ``tx``'s plan for ``n`` devices, the costliest first: its stored shape
-    (sorted), matrix count, and one matrix's FLOPs and state elements (momentum + NorMuon
-    moment), as the owner plan counts them (``muon_optax.plan.matrix_flops``)."""
+    """Per kind of matrix in ``tx``'s plan for ``n`` devices, the costliest first: its
+    stored shape (sorted), matrix count, and one matrix's FLOPs and state elements
+    (momentum + NorMuon moment), as the owner plan counts them
+    (``muon_optax.plan.matrix_flops``). Stacks of transposed shapes (an MLP's ``c_fc``
+    and ``c_proj``, each stored as laid out) cost the same and count as one kind."""
     from muon_optax.plan import matrix_flops
 
-    stacks = tx.init.plan(params, n).owner.stacks
-    return sorted(((tuple(sorted((sp.stack.rows, sp.stack.cols))), sp.stack.size,
-                    matrix_flops(sp.stack), sp.stack.rows * sp.stack.cols + sp.second_size)
-                   for sp in stacks), key=lambda c: -c[2])
+    kinds: dict[tuple, int] = {}
+    for sp in tx.init.plan(params, n).owner.stacks:
+        key = (tuple(sorted((sp.stack.rows, sp.stack.cols))), matrix_flops(sp.stack),
+               sp.stack.rows * sp.stack.cols + sp.second_size)
+        kinds[key] = kinds.get(key, 0) + sp.stack.size
+    return sorted(((shape, k, f, s) for (shape, f, s), k in kinds.items()),
+                  key=lambda c: -c[2])
 
 
 def busiest_over_optimum(tx: optax.GradientTransformation, params: Any,

@@ -18,14 +18,18 @@ axis. So a :class:`MatrixLeaf` describes the leaf's *block view* (``shape``, and
 numbered in it); :meth:`MatrixLeaf.view` reshapes a leaf (or a device's block of one)
 into it, and everything after (stacks, owners, transports, state) sees only blocks.
 
-Stacks. A tall matrix (``R > C``) is stored transposed, as its ``(C, R)`` wide
-transpose: the polar iteration commutes with transposition, and the steps that do not
-(row equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix flag.
-A square matrix is stored the way its leaf lays it out, so a Flax ``(in, out)`` kernel
-is stored transposed and needs no copy. So every matrix is stored wide or square, and
-all matrices with the same stored shape, dtype and static options form one stack
-``(K, R, C)`` updated by one batched program, across groups and orientations: an MLP's
-``c_fc`` and ``c_proj`` share a stack.
+Stacks. A matrix is stored the way its leaf lays it out: its matrix axes in leaf
+order, so a Flax ``(in, out)`` kernel is stored as the transpose ``(C, R)`` of the
+rule's matrix (``transposed``) and the stored view is a reshape, never a copy. The
+polar iteration commutes with transposition and takes its Gram matrix on the short
+side whatever the stored orientation; the steps that do not commute (row
+equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix flag. All
+matrices with the same stored shape, dtype and static options form one stack
+``(K, R, C)`` updated by one batched program, across groups and orientations.
+
+(Stored wide instead, an MLP's ``c_fc`` and ``c_proj`` would share one stack, but
+``c_proj`` would be transposed in and out every step: on a TPU, whose arrays are
+tiled, each transpose is a copy; BENCHMARKS.md, "The TPU compiler".)
 """
 
 from __future__ import annotations
@@ -118,9 +122,8 @@ class MatrixLeaf:
 
     @property
     def transposed(self) -> bool:
-        """Stored as the transpose ``(cols, rows)``: tall, or square laid out (in, out)."""
-        inputs_first = min(self.in_axes) < min(self.out_axes)
-        return self.rows > self.cols or (self.rows == self.cols and inputs_first)
+        """Stored as the transpose ``(cols, rows)``: laid out (in, out), inputs first."""
+        return min(self.in_axes) < min(self.out_axes)
 
     @property
     def stored_shape(self) -> tuple[int, int]:
@@ -169,8 +172,9 @@ class MatrixLeaf:
 
     def to_stored(self, x: jax.Array) -> jax.Array:
         """``(batch, R, C)`` stored view of a leaf-shaped array, or of a block of one
-        split along its batch axes (wide or square)."""
-        # One transpose (none at all for a Flax kernel stored as laid out), then a reshape.
+        split along its batch axes."""
+        # A transpose only where the batch axes are not leading or the matrix axes of
+        # one side are not adjacent; then a reshape.
         return jnp.transpose(x, self.stored_perm).reshape((-1,) + self.stored_shape)
 
     def from_stored(self, y: jax.Array, shape: Sequence[int] | None = None) -> jax.Array:
@@ -285,6 +289,17 @@ def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
     return [defaults.get(i) if d is None else d for i, d in enumerate(dims)]
 
 
+def normuon_reduces_rows(rows: int, cols: int, transposed: bool) -> bool:
+    """Whether NorMuon averages a stored ``rows x cols`` matrix over its stored rows.
+
+    The rule averages a matrix's own rows when it is wide (one statistic per column),
+    else its own columns (one per row): the short side when not square. Stored either
+    way, that is the stored short side; a square averages its own columns, the stored
+    rows when it is stored transposed. So only squares depend on the orientation.
+    """
+    return rows < cols if rows != cols else transposed
+
+
 @dataclasses.dataclass(frozen=True)
 class Stack:
     """Matrices updated by one batched program: same stored shape, dtype and options.
@@ -307,7 +322,7 @@ class Stack:
     @property
     def reduces_rows(self) -> bool:
         """NorMuon's averaging axis is the stored rows (see ``muon.normuon_axis``)."""
-        return self.rows < self.cols or self.members[0].transposed
+        return normuon_reduces_rows(self.rows, self.cols, self.members[0].transposed)
 
     def matrices(self) -> list[tuple[int, int]]:
         """``(member, batch index)`` of every matrix, in stack order."""

@@ -1,7 +1,7 @@
 """Muon: Nesterov momentum, Polar Express, NorMuon and cautious weight decay.
 
-One step for a stack of K matrices ``(K, R, C)``, stored wide or square (``R <= C``,
-see :mod:`muon_optax.layout`), every operation per matrix:
+One step for a stack of K matrices ``(K, R, C)``, stored as their leaves lay them out
+(see :mod:`muon_optax.layout`), every operation per matrix:
 
     buf = lerp(buf, G, 1 - momentum);  U = lerp(G, buf, momentum)        Nesterov
     X   = U * (||U||_F / sqrt(rows)) / max(row_norms(U), 1e-6)           MuonEq (optional)
@@ -53,14 +53,16 @@ class MuonStackState(NamedTuple):
 
 
 def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
-    """The stored axis NorMuon averages over.
+    """The stored axis NorMuon averages over (``-2``: the stored rows).
 
-    The rule averages a matrix's own columns if ``R >= C``, else its rows. Stored
-    wide, that is the stored rows in both orientations (a wide matrix's rows; a tall
-    one's columns, stored transposed); a square averages its columns, which are the
-    stored rows when it is stored transposed. Square stacks never mix layouts.
+    The rule averages a wide matrix's own rows and a tall or square one's own columns:
+    the stored short side for every non-square (either orientation), and for a square
+    its own columns, the stored rows when it is stored transposed. Stacks mixing
+    orientations (``transposed`` an array) are never square.
     """
-    return -2 if rows < cols or transposed is True else -1
+    if rows != cols:
+        return -2 if rows < cols else -1
+    return -2 if transposed is True else -1
 
 
 def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:

@@ -123,7 +123,8 @@ def fsdp_steps(steps: int, n: int) -> dict:
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,))
     host_params = sp.make_params()
     specs = sp.fsdp_specs(host_params, n)
-    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data", mesh=mesh)
+    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS,
+                               axis_name="data", mesh=mesh)
 
     def put(tree):
         return jax.tree.map(lambda x, spec: jax.make_array_from_callback(

@@ -27,15 +27,16 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from benchmarks.common import collectives, per_device_bytes  # noqa: E402,F401  (HLO parser)
 
-# Muon: a (16, 32)-stored stack of K=5 mixing orientations (three wide (in=16, out=32)
-# Flax kernels stored as is, two tall ones stored transposed) and two groups; a
+# Muon: a (16, 32)-stored stack of K=5 mixing orientations (three (in=16, out=32) Flax
+# kernels, stored transposed, and two (out=16, in=32) PyTorch-layout ones, DIMS) and
+# two groups; a
 # (24, 24) stack of K=3, two of them one scanned (2, in, out) leaf, whose matrices may
 # land on different devices. AdamW: two large params with odd shapes (split and, for
 # most N, padded), a small vector and a scalar (all-reduced, replicated).
 SHAPES = {
     "blocks": {
         "w0": (16, 32), "w1": (16, 32), "w2": (16, 32),
-        "t0": (32, 16), "t1": (32, 16),
+        "t0": (16, 32), "t1": (16, 32),
         "q0": (24, 24), "q12": (2, 24, 24),
     },
     "embed": (97, 13),
@@ -48,7 +49,15 @@ LABELS = {
                "q0": "muon2", "q12": "muon2"},
     "embed": "adamw", "head": "adamw", "bias": "adamw", "gain": "adamw",
 }
-SMALL = ("bias", "gain")           # under muon_optax's 1024-element threshold
+SMALL = ("bias", "gain")
+
+
+def DIMS(params):
+    """``t0`` and ``t1`` in PyTorch's (out, in) layout; the rest as Flax lays them out."""
+    torch_layout = muon_optax.MuonDimensionNumbers(reduction_axis=1, output_axis=0)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: torch_layout if muon_optax.path_str(path) in ("blocks/t0", "blocks/t1")
+        else None, params)           # under muon_optax's 1024-element threshold
 
 
 def groups():
@@ -148,7 +157,7 @@ def fsdp_specs(params, n):
 
 
 def make_tx(axis_name="data"):
-    return muon_optax.muon_adamw(groups(), LABELS, axis_name=axis_name)
+    return muon_optax.muon_adamw(groups(), LABELS, axis_name=axis_name, dimension_numbers=DIMS)
 
 
 # Cheaper LLVM code generation: the optimized HLO (collectives, fusions) is the same, and

@@ -122,7 +122,7 @@ def test_two_processes_fsdp_match_one_device(tmp_path):
     codes, report = run_workers(tmp_path, mode="fsdp")
     assert codes == [0] * NUM_PROCESSES, f"workers failed or timed out ({TIMEOUT_S}s):\n{report}"
     results = [dict(np.load(tmp_path / f"params_{i}.npz")) for i in range(NUM_PROCESSES)]
-    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
+    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS)
     p0 = sp.make_params()
     params, state = p0, tx.init(p0)
     for s in range(STEPS):

@@ -29,7 +29,7 @@ def mean_grads(step):
 
 class Single:
     def __init__(self):
-        self.tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
+        self.tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS)
         self.update = jax.jit(self.tx.update, compiler_options=sp.FAST_COMPILE)
 
     def place(self, params, state):
@@ -64,8 +64,8 @@ class Meshed:
         self.mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,),
                                   devices=jax.devices()[:n])
         self.specs = sp.fsdp_specs(sp.make_params(), n) if fsdp else None
-        self.tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data",
-                                        mesh=self.mesh)
+        self.tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS,
+                                        axis_name="data", mesh=self.mesh)
 
         def apply(p, st, g):
             u, st = self.tx.update(g, st, p)
@@ -121,8 +121,7 @@ def test_export_and_import_run_under_jit():
     tx = sp.make_tx("data")
     params = sp.make_params()
     state = muon_optax.import_state(tx, muon_optax.export_state(
-        muon_optax.muon_adamw(sp.groups(), sp.LABELS), muon_optax.muon_adamw(
-            sp.groups(), sp.LABELS).init(params), params), params, num_devices=3)
+        sp.make_tx(None), sp.make_tx(None).init(params), params), params, num_devices=3)
     exported = jax.jit(lambda s: muon_optax.export_state(tx, s, params))(state)
     back = jax.jit(lambda e: muon_optax.import_state(tx, e, params, num_devices=3))(exported)
     assert jax.tree.structure(back) == jax.tree.structure(state)
@@ -132,13 +131,13 @@ def test_export_and_import_run_under_jit():
 
 def test_import_errors_name_the_path():
     params = sp.make_params()
-    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
+    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS)
     portable = muon_optax.export_state(tx, tx.init(params), params)
     other = dict(params, head=np.zeros((5, 5), np.float32))
     with pytest.raises(ValueError, match="'head'"):
         muon_optax.import_state(tx, portable, other)
     relabelled = dict(sp.LABELS, embed="muon")
-    tx2 = muon_optax.muon_adamw(sp.groups(), relabelled)
+    tx2 = muon_optax.muon_adamw(sp.groups(), relabelled, dimension_numbers=sp.DIMS)
     with pytest.raises(ValueError, match="'embed'"):
         muon_optax.import_state(tx2, portable, params)
     with pytest.raises(ValueError, match="export_state"):

@@ -340,8 +340,9 @@ def test_mesh_mode_under_plain_jit_matches_single_device_and_shards_state():
     mesh = sp.make_mesh((n,))
     params = sp.make_params()
     tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data", mesh=mesh,
-                               param_specs=P())          # replicated (Auto axes, jit)
-    single = muon_optax.muon_adamw(sp.groups(), sp.LABELS)
+                               param_specs=P(),          # replicated (Auto axes, jit)
+                               dimension_numbers=sp.DIMS)
+    single = sp.make_tx(None)
 
     def step(tx):
         def apply(params, state, grads):
