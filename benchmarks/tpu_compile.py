@@ -32,6 +32,7 @@ compile neither holds the others nor shares caches with them. Topologies: ``v5p:
 chip), ``v5p:8`` (2x2x2), ``v5p:64`` (4x4x4), ``v5e:8`` (2x4), ``v6e:8`` (2x4).
 
   python benchmarks/tpu_compile.py --sets d256x4 d768x12 --topologies v5p:1 v5p:8
+  python benchmarks/tpu_compile.py --table a.json b.json     # one table of saved runs
 """
 
 from __future__ import annotations
@@ -387,12 +388,22 @@ def main(argv=None) -> list[dict[str, Any]]:
     ap.add_argument("--vocab", type=int, default=65536)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per compile")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--table", nargs="+", metavar="JSON",
+                    help="compile nothing: print one table of the rows of these --json files "
+                         "(runs of other contenders, sets or topologies, joined)")
     ap.add_argument("--child", nargs=3, metavar=("CONTENDER", "SET", "TOPOLOGY"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(compile_one(*args.child, args.vocab)))
         return []
+    if args.table:
+        rows = []
+        for path in args.table:
+            with open(path) as f:
+                rows += json.load(f)
+        print(table(rows))
+        return rows
     import jax
 
     rows = []

@@ -154,3 +154,21 @@ def test_each_script_quick_mode_runs(tmp_path):
         assert runs[script].returncode == 0, f"{script}:\n{stderr[-3000:]}"
         assert "|---" in stdout and (tmp_path / script).exists(), script
     _check_results(tmp_path)
+
+
+def test_tpu_compile_table_joins_saved_runs(tmp_path, capsys):
+    # Runs of the contender and of its baseline saved apart (--json) make one table, the
+    # ratios taken across files.
+    from benchmarks import tpu_compile
+
+    def row(contender, compile_s, temp):
+        return dict(contender=contender, set="d256x4", topology="v5p:1", compile_s=compile_s,
+                    compile_cpu_s=compile_s, args=2**20, temp=temp * 2**20, out=2**20,
+                    collectives={}, ring=0, hlo_lines=10, dots=1, whiles=1, flops_cost=1e9)
+    (tmp_path / "ours.json").write_text(json.dumps([row("one_device", 6.0, 3)]))
+    (tmp_path / "base.json").write_text(json.dumps([row("optax", 4.0, 6)]))
+    rows = tpu_compile.main(["--table", str(tmp_path / "ours.json"), str(tmp_path / "base.json")])
+    assert [r["contender"] for r in rows] == ["one_device", "optax"]
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "one_device" in ln)
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[4:6] == ["6.0 (6.0)", "1.50"] and cells[7:9] == ["3.0", "0.50"]
