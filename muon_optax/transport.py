@@ -128,6 +128,13 @@ def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
 # ------------------------------------------------------------------ gather transport
 
 
+def scatter_piece(owner: OwnerPlan) -> int:
+    """Elements of each device's row in one piece of the gradients' reduce-scatter where
+    it goes in pieces (TPU, :meth:`Collectives.mean_scatter_rows`): a piece of every
+    row together holds about one largest Muon matrix per device."""
+    return max([1] + [sp.stack.rows * sp.stack.cols for sp in owner.stacks])
+
+
 class GatherSource:
     """Owned matrices of the ``"gather"`` stacks of one dtype.
 
@@ -158,8 +165,7 @@ class GatherSource:
             sp = self.owner.stacks[k]
             _owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
                          parts)
-        buffer = jnp.concatenate(_device_rows(parts, ch.length, dtype))
-        return self.comm.mean_scatter(buffer, 0)
+        return self.comm.mean_scatter_rows(parts, ch.length, scatter_piece(self.owner), dtype)
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
         """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``."""
