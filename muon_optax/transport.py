@@ -109,20 +109,25 @@ def _dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array,
     return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
 
 
+def member_spans(channel: Channel, k: int, sp: StackPlan,
+                 size: int) -> list[list[tuple[int, int]]]:
+    """Where stack ``k``'s matrices lie in a device-major buffer laid out as ``channel``:
+    per member, ``(device, start)`` of each of its matrices' ``size`` elements."""
+    slot_of, out, first = sp.slot_of(), [], 0
+    for m in sp.stack.members:
+        out.append([(int(sp.owners[i]),
+                     int(channel.offsets[k, int(sp.owners[i])]) + int(slot_of[i]) * size)
+                    for i in range(first, first + m.batch)])
+        first += m.batch
+    return out
+
+
 def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
                 size: int) -> list[jax.Array]:
     """Stack ``k``'s matrices from a device-major ``(N, L)`` buffer laid out as
     ``channel``: per member, its matrices' ``size`` elements, ``(batch, size)``."""
-    slot_of, out, first = sp.slot_of(), [], 0
-    for m in sp.stack.members:
-        rows = []
-        for i in range(first, first + m.batch):
-            d = int(sp.owners[i])
-            at = int(channel.offsets[k, d]) + int(slot_of[i]) * size
-            rows.append(buf[d, at:at + size])
-        out.append(jnp.stack(rows))
-        first += m.batch
-    return out
+    return [jnp.stack([buf[d, at:at + size] for d, at in spans])
+            for spans in member_spans(channel, k, sp, size)]
 
 
 # ------------------------------------------------------------------ gather transport
@@ -213,7 +218,14 @@ class GatherSink:
 
     def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         del local_shapes   # every device gets the whole leaves
-        everything = self.comm.gather(self.buffer, 0).reshape(self.comm.size, -1)
+        if not self.comm.active:
+            return self._whole(self.buffer)
+        return jax.lax.platform_dependent(
+            self.buffer, tpu=lambda b: self._by_pieces(b, scatter_piece(self.owner)),
+            default=self._whole)
+
+    def _whole(self, buffer: jax.Array) -> dict[int, jax.Array]:
+        everything = self.comm.gather(buffer, 0).reshape(self.comm.size, -1)
         out = {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
@@ -222,6 +234,39 @@ class GatherSink:
                                                         st.rows * st.cols)):
                 out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
         return out
+
+    def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
+        """The share gathered in column pieces of at most ``piece`` elements, each as
+        ``(N, piece)`` rows (on TPU a gathered 1-D buffer cut into rows is a relayout
+        copy of all of it). A leaf is read out once the pieces holding its matrices are
+        in; each piece is gathered once the previous one is, so that the gathered
+        directions are not all alive at once. The same bytes travel."""
+        length, piece = self.channel.length, max(1, piece)
+        bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
+        ready: dict[int, list] = {}   # piece index -> the members it completes
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            size = sp.stack.rows * sp.stack.cols
+            for m, spans in zip(sp.stack.members, member_spans(self.channel, k, sp, size)):
+                last = max((at + size - 1) // piece for _, at in spans)
+                ready.setdefault(last, []).append((sp.stack, m, spans, size))
+        got, prev, out = [], None, {}
+        for p, (c0, c1) in enumerate(bounds):
+            part = after(jax.lax.slice_in_dim(buffer, c0, c1), prev)
+            got.append(self.comm.gather(part[None], 0))
+            prev = got[-1]
+            for st, m, spans, size in ready.get(p, []):
+                rows = jnp.stack([_span(got, bounds, d, at, size) for d, at in spans])
+                out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
+        return out
+
+
+def _span(got: list[jax.Array], bounds: list[tuple[int, int]], d: int, at: int,
+          size: int) -> jax.Array:
+    """Elements ``at .. at+size-1`` of device ``d``'s row, from the gathered pieces."""
+    parts = [got[p][d, max(at, c0) - c0:min(at + size, c1) - c0]
+             for p, (c0, c1) in enumerate(bounds) if c0 < at + size and at < c1]
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 # ------------------------------------------------------------------ exchange transport
