@@ -47,8 +47,8 @@ from muon_optax.engine import (
 from muon_optax.layout import MatrixLeaf
 from muon_optax.optax_state import export_optax_state, holds_optax_muon_state, import_optax_state
 from muon_optax.plan import StackPlan, TreePlan
+from muon_optax.rows import member_rows
 from muon_optax.sharding import pad_to, to_partition_spec, typed_spec
-from muon_optax.transport import member_rows
 from muon_optax.wrapped import locate
 
 

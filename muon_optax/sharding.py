@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from muon_optax.order import after
 from muon_optax.wrapped import locate
 
 Spec = tuple[tuple[str, ...], ...]
@@ -133,6 +134,51 @@ class Collectives:
     def _sum_scatter(self, axis: int):
         return lambda x: jax.lax.psum_scatter(x, self.axes, scatter_dimension=axis, tiled=True)
 
+    def mean_scatter_rows(self, rows: list[list[jax.Array]], length: int, piece: int,
+                          dtype: Any) -> jax.Array:
+        """Reduce-scatter (mean) of a device-major buffer given by its rows: row ``d``
+        is ``rows[d]`` (1-D arrays) end to end, zero-padded to ``length``; the result is
+        this device's row (``dtype``), averaged over the devices.
+
+        Elsewhere the rows are packed into one buffer and reduce-scattered at once. On
+        TPU, whose reduce-scatter is an all-to-all and a sum (:meth:`mean_scatter`), they
+        go in column pieces of at most ``piece`` elements a row, each packed, exchanged
+        and summed before the next is packed: the packed buffer and the all-to-all's
+        result (each the size of every row together) are never whole at once. The same
+        bytes travel; the sums are the same, element by element.
+        """
+        sizes = [len(r) for r in rows]
+        flat = [x for r in rows for x in r]
+
+        def unflatten(flat):
+            out, at = [], 0
+            for n in sizes:
+                out.append(list(flat[at:at + n]))
+                at += n
+            return out
+
+        def whole(*flat):
+            packed = [row_slice(r, 0, length, dtype) for r in unflatten(flat)]
+            return self._sum_scatter(0)(jnp.concatenate(packed))
+
+        def by_pieces(*flat):
+            return self._sum_exchange_pieces(unflatten(flat), length, piece, dtype)
+
+        y = jax.lax.platform_dependent(*flat, tpu=by_pieces, default=whole)
+        return (y / self.size).astype(dtype)
+
+    def _sum_exchange_pieces(self, rows: list[list[jax.Array]], length: int, piece: int,
+                             dtype: Any) -> jax.Array:
+        """:meth:`mean_scatter_rows`'s pieces (unscaled sums): each piece's packing waits
+        for the previous piece's sum, so that one piece's buffers are alive at a time."""
+        out, prev = [], None
+        for c0 in range(0, length, max(1, piece)):
+            c1 = min(length, c0 + max(1, piece))
+            packed = jnp.stack([after(row_slice(r, c0, c1, dtype), prev) for r in rows])
+            prev = jnp.sum(jax.lax.all_to_all(packed, self.axes, 0, 0, tiled=True), axis=0)
+            out.append(prev)
+        return jnp.concatenate(out) if len(out) > 1 else out[0]
+
     def _sum_scatter_by_exchange(self, x: jax.Array, axis: int) -> jax.Array:
         """A reduce-scatter (sum, along ``axis``) as an all-to-all and a local sum.
 
@@ -164,6 +210,21 @@ class Collectives:
             return jnp.asarray(x)
         n = x.shape[axis] // self.size
         return jax.lax.dynamic_slice_in_dim(jnp.asarray(x), self.index() * n, n, axis)
+
+
+def row_slice(parts: list[jax.Array], c0: int, c1: int, dtype: Any) -> jax.Array:
+    """Elements ``c0 .. c1-1`` of ``parts`` (1-D arrays) end to end, zeros past their
+    end: static slices of the parts that overlap the range, no copy of the others."""
+    out, at = [], 0
+    for x in parts:
+        lo, hi = max(c0, at), min(c1, at + x.shape[0])
+        if lo < hi:
+            out.append(x[lo - at:hi - at])
+        at += x.shape[0]
+    used = sum(x.shape[0] for x in out)
+    if used < c1 - c0:
+        out.append(jnp.zeros(c1 - c0 - used, dtype))
+    return jnp.concatenate(out) if len(out) > 1 else out[0]
 
 
 # ------------------------------------------------------------------ AdamW split axis

@@ -25,9 +25,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.guard import scaled
-from muon_optax.layout import MatrixLeaf, Stack
+from muon_optax.layout import MatrixLeaf
 from muon_optax.order import after
-from muon_optax.plan import EXCHANGE, GATHER, LOCAL, Channel, OwnerPlan, StackPlan
+from muon_optax.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan, StackPlan
+from muon_optax.rows import (
+    device_rows,
+    dynamic_slice,
+    dynamic_update,
+    member_rows,
+    member_runs,
+    member_spans,
+    owned_parts,
+    span,
+    take_static,
+)
 from muon_optax.sharding import Collectives
 
 
@@ -53,79 +64,15 @@ class Sink(Protocol):
         (``local_shapes``: this device's block of each leaf)."""
 
 
-def _take(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
-    """``x`` indexed along ``axis`` by a static index: a no-op for the identity."""
-    index = np.asarray(index)
-    if index.shape[0] == x.shape[axis] and (index == np.arange(index.shape[0])).all():
-        return x
-    return jnp.take(x, jnp.asarray(index), axis=axis)
-
-
-def _member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]]:
-    """Stack indices as runs ``(member, lo, hi)``: matrices ``lo .. hi-1`` of that member,
-    consecutive in both the stack and ``indices``."""
-    starts = np.cumsum([0] + [m.batch for m in stack.members])
-    runs: list[tuple[int, int, int]] = []
-    for i in indices.tolist():
-        member = int(np.searchsorted(starts, i, side="right")) - 1
-        local = i - int(starts[member])
-        if runs and runs[-1][0] == member and runs[-1][2] == local:
-            runs[-1] = (member, runs[-1][1], local + 1)
-        else:
-            runs.append((member, local, local + 1))
-    return runs
-
-
-def _owned_parts(sp: StackPlan, members: list[jax.Array],
-                 parts: list[list[jax.Array]]) -> None:
-    """Appends to ``parts[d]`` device ``d``'s matrices of stack ``sp``, in slot order, each
-    flattened: runs of static slices of ``members`` (one array per stack member, its
-    matrices on the leading axis), so no stacked copy and no gather."""
-    for d, row in enumerate(sp.slots):
-        for member, lo, hi in _member_runs(sp.stack, row[row >= 0]):
-            parts[d].append(members[member][lo:hi].reshape(-1))
-
-
-def _device_rows(parts: list[list[jax.Array]], length: int, dtype: Any) -> list[jax.Array]:
-    """Each device's parts concatenated and zero-padded to ``length`` elements."""
-    rows = []
-    for p in parts:
-        used = sum(x.shape[-1] for x in p)
-        if length > used:
-            p = p + [jnp.zeros(p[0].shape[:-1] + (length - used,) if p else (length - used,),
-                               dtype)]
-        rows.append(jnp.concatenate(p, axis=-1) if len(p) > 1 else p[0])
-    return rows
-
-
-def _dynamic_slice(x: jax.Array, start: int | jax.Array, size: int, axis: int) -> jax.Array:
-    if isinstance(start, int):
-        return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-
-def _dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array,
-                    axis: int) -> jax.Array:
-    return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
-
-
-def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
-                size: int) -> list[jax.Array]:
-    """Stack ``k``'s matrices from a device-major ``(N, L)`` buffer laid out as
-    ``channel``: per member, its matrices' ``size`` elements, ``(batch, size)``."""
-    slot_of, out, first = sp.slot_of(), [], 0
-    for m in sp.stack.members:
-        rows = []
-        for i in range(first, first + m.batch):
-            d = int(sp.owners[i])
-            at = int(channel.offsets[k, d]) + int(slot_of[i]) * size
-            rows.append(buf[d, at:at + size])
-        out.append(jnp.stack(rows))
-        first += m.batch
-    return out
-
 
 # ------------------------------------------------------------------ gather transport
+
+
+def scatter_piece(owner: OwnerPlan) -> int:
+    """Elements of each device's row in one piece of the gradients' reduce-scatter where
+    it goes in pieces (TPU, :meth:`Collectives.mean_scatter_rows`): a piece of every
+    row together holds about one largest Muon matrix per device."""
+    return max([1] + [sp.stack.rows * sp.stack.cols for sp in owner.stacks])
 
 
 class GatherSource:
@@ -156,10 +103,9 @@ class GatherSource:
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
         for k in ch.stacks:
             sp = self.owner.stacks[k]
-            _owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
+            owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
                          parts)
-        buffer = jnp.concatenate(_device_rows(parts, ch.length, dtype))
-        return self.comm.mean_scatter(buffer, 0)
+        return self.comm.mean_scatter_rows(parts, ch.length, scatter_piece(self.owner), dtype)
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
         """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``."""
@@ -168,14 +114,14 @@ class GatherSource:
         if self.buffer is not None:
             size = st.rows * st.cols
             start = self.comm.pick(self.channel.offsets[k])
-            x = _dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
+            x = dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
             return x.reshape(n, st.rows, st.cols)
         mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
         if isinstance(mine, np.ndarray):   # the same slots on every device (one device)
             # Only these slots are stacked: a chunk's copy, not the stack's.
             return jnp.concatenate([st.members[i].to_stored(after(
                 self.leaves[st.members[i].index], prev))[lo:hi]
-                for i, lo, hi in _member_runs(st, mine.reshape(-1))])
+                for i, lo, hi in member_runs(st, mine.reshape(-1))])
         # One stack's stacking copy at a time: it waits for the previous stack.
         if k not in self.cache:
             self.cache[k] = st.stack([after(self.leaves[m.index], prev) for m in st.members])
@@ -202,18 +148,50 @@ class GatherSink:
         start = self.comm.pick(self.channel.offsets[k]) + j0 * st.rows * st.cols
         flat = o.reshape(-1)
         if owned is not None:  # a slot this device may not own: keep what is there
-            flat = jnp.where(owned, flat, _dynamic_slice(self.buffer, start, flat.size, 0))
-        self.buffer = _dynamic_update(self.buffer, flat, start, 0)
+            flat = jnp.where(owned, flat, dynamic_slice(self.buffer, start, flat.size, 0))
+        self.buffer = dynamic_update(self.buffer, flat, start, 0)
 
     def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         del local_shapes   # every device gets the whole leaves
-        everything = self.comm.gather(self.buffer, 0).reshape(self.comm.size, -1)
+        if not self.comm.active:
+            return self._whole(self.buffer)
+        return jax.lax.platform_dependent(
+            self.buffer, tpu=lambda b: self._by_pieces(b, scatter_piece(self.owner)),
+            default=self._whole)
+
+    def _whole(self, buffer: jax.Array) -> dict[int, jax.Array]:
+        everything = self.comm.gather(buffer, 0).reshape(self.comm.size, -1)
         out = {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
             st = sp.stack
             for m, rows in zip(st.members, member_rows(everything, self.channel, k, sp,
                                                         st.rows * st.cols)):
+                out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
+        return out
+
+    def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
+        """The share gathered in column pieces of at most ``piece`` elements, each as
+        ``(N, piece)`` rows (on TPU a gathered 1-D buffer cut into rows is a relayout
+        copy of all of it). A leaf is read out once the pieces holding its matrices are
+        in; each piece is gathered once the previous one is, so that the gathered
+        directions are not all alive at once. The same bytes travel."""
+        length, piece = self.channel.length, max(1, piece)
+        bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
+        ready: dict[int, list] = {}   # piece index -> the members it completes
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            size = sp.stack.rows * sp.stack.cols
+            for m, spans in zip(sp.stack.members, member_spans(self.channel, k, sp, size)):
+                last = max((at + size - 1) // piece for _, at in spans)
+                ready.setdefault(last, []).append((sp.stack, m, spans, size))
+        got, prev, out = [], None, {}
+        for p, (c0, c1) in enumerate(bounds):
+            part = after(jax.lax.slice_in_dim(buffer, c0, c1), prev)
+            got.append(self.comm.gather(part[None], 0))
+            prev = got[-1]
+            for st, m, spans, size in ready.get(p, []):
+                rows = jnp.stack([span(got, bounds, d, at, size) for d, at in spans])
                 out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
         return out
 
@@ -279,8 +257,8 @@ class ExchangeSource:
         parts: list[list[jax.Array]] = [[] for _ in range(n)]
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            _owned_parts(sp, self._pieces(sp, leaves), parts)
-        self.received = comm.exchange(jnp.stack(_device_rows(parts, self.channel.length,
+            owned_parts(sp, self._pieces(sp, leaves), parts)
+        self.received = comm.exchange(jnp.stack(device_rows(parts, self.channel.length,
                                                              dtype)))
 
     @staticmethod
@@ -300,7 +278,7 @@ class ExchangeSource:
                 blocks = jnp.pad(blocks, ((0, 0), (0, padded - route.block_size)))
             blocks = blocks.reshape(m.batch, route.replicas, route.piece)
             j = self.comm.pick(np.asarray(route.replica_of))
-            out.append(_dynamic_slice(blocks, j, 1, 1)[:, 0])
+            out.append(dynamic_slice(blocks, j, 1, 1)[:, 0])
         return out
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
@@ -308,12 +286,12 @@ class ExchangeSource:
         sp = self.owner.stacks[k]
         piece = sp.route.piece
         start = self.comm.pick(self.channel.offsets[k]) + j0 * piece
-        raw = _dynamic_slice(self.received, start, n * piece, 1).reshape(self.comm.size, n,
+        raw = dynamic_slice(self.received, start, n * piece, 1).reshape(self.comm.size, n,
                                                                          piece)
 
         def assemble(i):  # the matrices as member i's layout puts them together
             route, member = sp.routes[i], sp.stack.members[i]
-            x = jnp.transpose(_take(raw, route.source_order), (1, 0, 2))
+            x = jnp.transpose(take_static(raw, route.source_order), (1, 0, 2))
             x = x.reshape(n, math.prod(route.grid), -1)[:, :, :route.block_size]
             return member.matrix_to_stored(_grid_to_matrix(route, x))
 
@@ -341,13 +319,13 @@ class ExchangeSink:
         def split(i):  # (N, n, block): each holder's block, as member i's layout splits
             route, member = sp.routes[i], sp.stack.members[i]
             blocks = _matrix_to_grid(route, member.stored_to_matrix(o))
-            return jnp.transpose(_take(blocks, np.asarray(route.block_of), axis=1), (1, 0, 2))
+            return jnp.transpose(take_static(blocks, np.asarray(route.block_of), axis=1), (1, 0, 2))
 
         rows = _by_variant(sp, self.comm, j0, n, split, axis=1).reshape(self.comm.size, -1)
         start = self.comm.pick(self.channel.offsets[k]) + j0 * sp.route.block_size
         if owned is not None:
-            rows = jnp.where(owned, rows, _dynamic_slice(self.buffer, start, rows.shape[1], 1))
-        self.buffer = _dynamic_update(self.buffer, rows, start, 1)
+            rows = jnp.where(owned, rows, dynamic_slice(self.buffer, start, rows.shape[1], 1))
+        self.buffer = dynamic_update(self.buffer, rows, start, 1)
 
     def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         received, out = self.comm.exchange(self.buffer), {}

@@ -13,6 +13,7 @@ and come on top.
 """
 
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -123,6 +124,29 @@ def test_zero2_reduce_scatters_by_all_to_all_and_gathers_the_params(chips):
     matrices = sum(4 * int(np.prod(s)) for s in muon_shapes(params))
     assert ops["all-gather"]["bytes"] >= matrices, ops   # the updated params, to every chip
     assert_polar_loop(hlo)
+
+
+def all_to_all_sizes(hlo: str) -> list[int]:
+    """The element counts of the HLO's all-to-all results."""
+    return [math.prod(int(d) for d in dims.split(",")) for dims in
+            re.findall(r"= \w+\[([\d,]+)\][^ ]* all-to-all(?:-start)?\(", hlo)]
+
+
+@needs_libtpu
+def test_zero2_moves_the_muon_matrices_in_pieces(chips, monkeypatch):
+    """The gradients' reduce-scatter and the directions' all-gather, each in pieces of
+    ``scatter_piece`` elements a chip: more collectives, the same bytes."""
+    from muon_optax import transport
+
+    _, _, whole = compile_step("zero2", chips)
+    piece = 16384   # elements of each chip's row: a (4, piece) buffer in flight at a time
+    monkeypatch.setattr(transport, "scatter_piece", lambda owner: piece)
+    _, hlo, ops = compile_step("zero2", chips)
+    muon = [n for n in all_to_all_sizes(hlo) if n <= len(chips) * piece]
+    assert len(muon) >= 4 and ops["all-to-all"]["count"] > whole["all-to-all"]["count"], ops
+    assert ops["all-gather"]["count"] >= whole["all-gather"]["count"] + 3, (ops, whole)
+    for op in ("all-to-all", "all-gather"):
+        assert ops[op]["ring"] == whole[op]["ring"], (op, ops, whole)
 
 
 @needs_libtpu

@@ -1,0 +1,98 @@
+"""Rows of device-major buffers: where each matrix of a stack lies in them, and the
+static slicing the transports (:mod:`muon_optax.transport`) pack and unpack them with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from muon_optax.layout import Stack
+from muon_optax.plan import Channel, StackPlan
+
+
+def take_static(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
+    """``x`` indexed along ``axis`` by a static index: a no-op for the identity."""
+    index = np.asarray(index)
+    if index.shape[0] == x.shape[axis] and (index == np.arange(index.shape[0])).all():
+        return x
+    return jnp.take(x, jnp.asarray(index), axis=axis)
+
+
+def member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]]:
+    """Stack indices as runs ``(member, lo, hi)``: matrices ``lo .. hi-1`` of that member,
+    consecutive in both the stack and ``indices``."""
+    starts = np.cumsum([0] + [m.batch for m in stack.members])
+    runs: list[tuple[int, int, int]] = []
+    for i in indices.tolist():
+        member = int(np.searchsorted(starts, i, side="right")) - 1
+        local = i - int(starts[member])
+        if runs and runs[-1][0] == member and runs[-1][2] == local:
+            runs[-1] = (member, runs[-1][1], local + 1)
+        else:
+            runs.append((member, local, local + 1))
+    return runs
+
+
+def owned_parts(sp: StackPlan, members: list[jax.Array],
+                 parts: list[list[jax.Array]]) -> None:
+    """Appends to ``parts[d]`` device ``d``'s matrices of stack ``sp``, in slot order, each
+    flattened: runs of static slices of ``members`` (one array per stack member, its
+    matrices on the leading axis), so no stacked copy and no gather."""
+    for d, row in enumerate(sp.slots):
+        for member, lo, hi in member_runs(sp.stack, row[row >= 0]):
+            parts[d].append(members[member][lo:hi].reshape(-1))
+
+
+def device_rows(parts: list[list[jax.Array]], length: int, dtype: Any) -> list[jax.Array]:
+    """Each device's parts concatenated and zero-padded to ``length`` elements."""
+    rows = []
+    for p in parts:
+        used = sum(x.shape[-1] for x in p)
+        if length > used:
+            p = p + [jnp.zeros(p[0].shape[:-1] + (length - used,) if p else (length - used,),
+                               dtype)]
+        rows.append(jnp.concatenate(p, axis=-1) if len(p) > 1 else p[0])
+    return rows
+
+
+def dynamic_slice(x: jax.Array, start: int | jax.Array, size: int, axis: int) -> jax.Array:
+    if isinstance(start, int):
+        return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array,
+                    axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
+
+
+def member_spans(channel: Channel, k: int, sp: StackPlan,
+                 size: int) -> list[list[tuple[int, int]]]:
+    """Where stack ``k``'s matrices lie in a device-major buffer laid out as ``channel``:
+    per member, ``(device, start)`` of each of its matrices' ``size`` elements."""
+    slot_of, out, first = sp.slot_of(), [], 0
+    for m in sp.stack.members:
+        out.append([(int(sp.owners[i]),
+                     int(channel.offsets[k, int(sp.owners[i])]) + int(slot_of[i]) * size)
+                    for i in range(first, first + m.batch)])
+        first += m.batch
+    return out
+
+
+def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
+                size: int) -> list[jax.Array]:
+    """Stack ``k``'s matrices from a device-major ``(N, L)`` buffer laid out as
+    ``channel``: per member, its matrices' ``size`` elements, ``(batch, size)``."""
+    return [jnp.stack([buf[d, at:at + size] for d, at in spans])
+            for spans in member_spans(channel, k, sp, size)]
+
+
+def span(got: list[jax.Array], bounds: list[tuple[int, int]], d: int, at: int,
+         size: int) -> jax.Array:
+    """Elements ``at .. at+size-1`` of device ``d``'s row, from the gathered pieces."""
+    parts = [got[p][d, max(at, c0) - c0:min(at + size, c1) - c0]
+             for p, (c0, c1) in enumerate(bounds) if c0 < at + size and at < c1]
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
