@@ -22,8 +22,8 @@ shapes of ``benchmarks.common.nanochat_params``, vocabulary ``--vocab``):
                   chip its own gradient; optax's baseline: optax_dp (gradients pmean-ed
                   in the same shard_map, then optax.contrib.muon)
   heads_tp        a ("data", "model") mesh, attention and MLP kernels split Megatron-style
-                  over "model" (4 chips), attention kernels in per-head Muon blocks;
-                  optax's baseline: optax_tp (the same layout)
+                  over "model" (2 chips: it divides every set's heads), attention kernels
+                  in per-head Muon blocks; optax's baseline: optax_tp (the same layout)
 
 Compile time is the compiling process's CPU time (all its threads; the wall time in
 brackets): on a shared machine it varies far less than the wall time. Each compile runs
@@ -58,7 +58,10 @@ SINGLE = ("one_device", "mesh_1", "optax", "adamw")
 MULTI = ("fsdp", "optax_fsdp", "zero2", "optax_dp", "heads_tp", "optax_tp", "adamw_fsdp")
 BASELINE = {"one_device": "optax", "mesh_1": "optax", "fsdp": "optax_fsdp",
             "zero2": "optax_dp", "heads_tp": "optax_tp"}
-TP = 4   # the "model" axis of heads_tp
+# The "model" axis of heads_tp: it must divide every set's head count (d256: 2 heads,
+# d768: 6, d1280: 10; head_dim 128), or the per-head blocks are cut across chips and
+# muon_adamw gathers those kernels whole (with a warning), which is not tensor parallelism.
+TP = 2
 
 
 def topology_devices(name: str) -> list[Any]:

@@ -61,7 +61,7 @@ def corpus(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- optimizer step
 
-WIDTH, VOCAB = 256, 512   # 4 heads of 64: one per chip of the "model" axis under heads_tp
+WIDTH, VOCAB = 256, 512   # 4 heads of 64: two per chip of the "model" axis under heads_tp
 
 
 def compile_step(contender: str, devices):
