@@ -3,9 +3,10 @@
 With ``libtpu`` installed (``pip install -e ".[tpu]"``), ``jax.experimental.topologies``
 gives compile-only devices of a TPU slice; a step lowered on ``jax.ShapeDtypeStruct``s
 placed on a mesh of them and compiled runs the real TPU compiler. Per chip it reports:
-compile time, ``memory_analysis`` (arguments, temporaries, outputs), the collectives of
-the optimized HLO (count and the bytes each chip sends on a ring; a collective inside a
-while loop counted by its trip count), the HLO's size, and FLOPs (muon_optax's from
+compile time, ``memory_analysis`` (arguments, temporaries, outputs, and the peak: all
+three less the outputs aliased to donated arguments), the collectives of the optimized
+HLO (count and the bytes each chip sends on a ring; a collective inside a while loop
+counted by its trip count), the HLO's size, and FLOPs (muon_optax's from
 ``estimate``; the others' from ``cost_analysis``, which counts a loop body once).
 
 Contenders (the optimizer's update + ``apply_updates``, float32 params, nanochat's GPT
@@ -358,9 +359,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         base = by_key.get((r["set"], r["topology"], BASELINE.get(r["contender"], "")))
         if "error" in r:
-            out.append([r["set"], r["topology"], r["contender"], r["error"]] + [""] * 9)
+            out.append([r["set"], r["topology"], r["contender"], r["error"]] + [""] * 11)
             continue
         ops = ", ".join(f"{v['count']} {k}" for k, v in sorted(r["collectives"].items()))
+        for row in (r, base):   # peak: arguments, temporaries and the outputs not aliased
+            if row is not None and "error" not in row:
+                row["peak"] = row["args"] + row["temp"] + row["out"] - row.get("alias", 0)
 
         def ratio(key, base=base, r=r):
             if base is None or "error" in base or not base[key]:
@@ -370,14 +374,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         out.append([r["set"], r["topology"], r["contender"],
                     f"{r['compile_cpu_s']:.1f} ({r['compile_s']:.1f})", ratio("compile_cpu_s"),
                     f"{r['args'] / MB:.1f}", f"{r['temp'] / MB:.1f}",
-                    ratio("temp"), f"{r['out'] / MB:.1f}", ops or "none",
+                    ratio("temp"), f"{r['out'] / MB:.1f}", f"{r['peak'] / MB:.1f}",
+                    ratio("peak"), ops or "none",
                     f"{r['ring'] / MB:.1f}", ratio("ring") if r["ring"] else "-",
                     f"{r['hlo_lines']} / {r['dots']} / {r['whiles']}",
                     common.fmt(flops / 1e9, ".1f")])
     return common.md_table(
         ["set", "topology", "contender", "compile CPU s (wall)", "x base", "args MiB", "temp MiB",
-         "x base", "out MiB", "collectives", "ring MiB/chip", "x base",
-         "HLO lines / dots / whiles", "GFLOP"], out, "lllrrrrrrlrrrr")
+         "x base", "out MiB", "peak MiB", "x base", "collectives", "ring MiB/chip", "x base",
+         "HLO lines / dots / whiles", "GFLOP"], out, "lllrrrrrrrrlrrrr")
 
 
 def main(argv=None) -> list[dict[str, Any]]:

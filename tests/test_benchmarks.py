@@ -172,3 +172,4 @@ def test_tpu_compile_table_joins_saved_runs(tmp_path, capsys):
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "one_device" in ln)
     cells = [c.strip() for c in line.split("|")]
     assert cells[4:6] == ["6.0 (6.0)", "1.50"] and cells[7:9] == ["3.0", "0.50"]
+    assert cells[10:12] == ["5.0", "0.62"]     # peak: args + temp + out (none aliased)
