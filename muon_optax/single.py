@@ -140,24 +140,32 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
 
     The form depends on the platform the step is compiled for. CPU and TPU run each stack
     in chunks of at most :func:`chunk_bytes`, the polar iteration a loop: the TPU
-    compiler's time and temporaries then scale with one chunk (BENCHMARKS.md, "The TPU
-    compiler"). GPUs run each stack as one batch, the iteration written out: on an H200
-    (d768x12) chunks took the step from 5.9 to 10.2 ms, and the loop added 0.6 ms.
+    compiler's temporaries then scale with one chunk (BENCHMARKS.md, "The TPU
+    compiler"). On TPU the chunks of a stack also run in loops of up to
+    :data:`LOOP_CHUNKS` chunks, one kernel per loop: the compiler's time grows with the
+    kernels in the program (d768x12 one chip: 36 kernels compiled in 45 s, 9 loops in
+    16 s, optax.contrib.muon 13 to 15 s). CPU keeps one kernel per chunk (its program is
+    unchanged by the loops). GPUs run each stack as one batch, the iteration written out:
+    on an H200 (d768x12) chunks took the step from 5.9 to 10.2 ms, and the loop added
+    0.6 ms.
     """
-    def form(budget: int, unrolled: bool):
+    def form(budget: int, unrolled: bool, loop: int = 0):
         def run():
             out = list(updates)
             with polar.written_out(unrolled):
                 bufs = _stacks_in_chunks(plan, configs, hps, count, g_leaves, p_leaves,
-                                         state_muon, scale, out, budget)
+                                         state_muon, scale, out, budget, loop)
             return bufs, [out[m.index] for m in plan.muon]
         return run
 
     chunked, whole = form(chunk_bytes(plan), False), form(WHOLE, True)
-    if polar.FORCE_FORM is not None:
+    looped = form(chunk_bytes(plan), False, LOOP_CHUNKS * chunk_bytes(plan))
+    if FORCE_LOOP:
+        bufs, muon_updates = looped()
+    elif polar.FORCE_FORM is not None:
         bufs, muon_updates = chunked()
     else:
-        bufs, muon_updates = jax.lax.platform_dependent(cuda=whole, rocm=whole,
+        bufs, muon_updates = jax.lax.platform_dependent(cuda=whole, rocm=whole, tpu=looped,
                                                         default=chunked)
     for m, u in zip(plan.muon, muon_updates):
         updates[m.index] = u
@@ -167,39 +175,135 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
 # A budget no stack reaches: every stack one chunk.
 WHOLE = 1 << 62
 
+# On TPU, up to this many chunks' worth of a stack (chunk_bytes each) run as one kernel in
+# a loop (_run_in_loop); their gradients and directions are alive together. d768x12 one
+# chip, temporaries 57, 70, 106 and 142 MiB with 2, 4, 8 and every chunk in a loop
+# (optax.contrib.muon 53 MiB); compile time falls with fewer loops, within the noise of
+# a shared machine past 4.
+LOOP_CHUNKS = 4
+
+# Tests: run the TPU's form (chunks in loops) wherever the step is compiled.
+FORCE_LOOP = False
+
 
 def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves,
                       p_leaves, state_muon: tuple[MuonBuffers, ...], scale: jax.Array | None,
-                      updates: list, budget: int) -> tuple[MuonBuffers, ...]:
+                      updates: list, budget: int, loop_bytes: int = 0
+                      ) -> tuple[MuonBuffers, ...]:
     """Each stack in chunks of at most ``budget`` bytes (its matrices batched), one after
     another, and a leaf takes its update as soon as its last matrix is through: each
     chunk's stacking copy waits for the previous chunk's updates, so one chunk's
-    temporaries and directions are alive at a time, and the compiled program holds one
-    small kernel per chunk instead of a stack-sized one.
+    temporaries and directions are alive at a time.
+
+    ``loop_bytes`` (0: off): runs of equal chunks whose matrices take at most that many
+    bytes are one kernel in a loop (:func:`_run_in_loop`) instead of one kernel each, so
+    that the compiled program holds a few kernels per stack, not one per chunk.
     """
     bufs = dict(zip(plan.state_keys, state_muon))
     prev = None
     for sp in plan.owner.stacks:
         st, pieces, duals = sp.stack, {}, {}
-        for lo, hi in chunks(st.size, 4 * st.rows * st.cols, budget):
-            parts = _pieces(st, lo, hi)
-            g = jnp.concatenate([st.members[i].to_stored(after(g_leaves[
-                st.members[i].index], prev))[a:b] for i, a, b in parts])
-            o, bufs[sp.state_key], d = _chunk_step(sp, bufs[sp.state_key],
-                                                   scaled(g, scale), lo, hi, hps, count)
-            first, done = 0, []
-            for i, a, b in parts:
-                pieces.setdefault(i, []).append(o[first:first + b - a])
-                if d is not None:
-                    duals.setdefault(i, []).append(d[first:first + b - a])
-                first += b - a
-                if b == st.members[i].batch:
-                    done.append(i)
-            for i in done:   # leaves whose matrices are all through
-                m = st.members[i]
-                o_leaf = m.from_stored(jnp.concatenate(pieces.pop(i)))
-                scales = {m.index: sum(jnp.sum(x) for x in duals.pop(i))} if duals else {}
-                finish_leaves(plan, configs, hps, {m.index: o_leaf}, scales, p_leaves,
-                              updates, only=(m,))
-            prev = updates[st.members[done[-1]].index] if done else o
+        matrix_bytes = 4 * st.rows * st.cols
+        spans = chunks(st.size, matrix_bytes, budget)
+        for run in _runs(spans, matrix_bytes, loop_bytes):
+            gs = [jnp.concatenate([st.members[i].to_stored(after(g_leaves[
+                st.members[i].index], prev))[a:b] for i, a, b in _pieces(st, lo, hi)])
+                for lo, hi in run]
+            if len(run) == 1:
+                o, bufs[sp.state_key], d = _chunk_step(sp, bufs[sp.state_key],
+                                                       scaled(gs[0], scale), *run[0], hps, count)
+                outs = [(o, d)]
+            else:
+                outs, bufs[sp.state_key] = _run_in_loop(sp, bufs[sp.state_key], gs, run,
+                                                        scale, hps, count)
+            for (lo, hi), (o, d) in zip(run, outs):
+                done = _collect(st, _pieces(st, lo, hi), o, d, pieces, duals)
+                for i in done:   # leaves whose matrices are all through
+                    m = st.members[i]
+                    o_leaf = m.from_stored(jnp.concatenate(pieces.pop(i)))
+                    scales = ({m.index: sum(jnp.sum(x) for x in duals.pop(i))} if duals
+                              else {})
+                    finish_leaves(plan, configs, hps, {m.index: o_leaf}, scales, p_leaves,
+                                  updates, only=(m,))
+                prev = updates[st.members[done[-1]].index] if done else o
     return tuple(bufs.values())
+
+
+def _runs(spans: list[tuple[int, int]], matrix_bytes: int, loop_bytes: int
+          ) -> list[list[tuple[int, int]]]:
+    """``spans`` (consecutive chunks) cut into runs of equal chunks of at most
+    ``loop_bytes`` bytes together (each chunk alone when that is under two chunks)."""
+    out: list[list[tuple[int, int]]] = []
+    for lo, hi in spans:
+        size = hi - lo
+        last = out[-1] if out else None
+        if (last is not None and last[0][1] - last[0][0] == size
+                and (len(last) + 1) * size * matrix_bytes <= loop_bytes):
+            last.append((lo, hi))
+        else:
+            out.append([(lo, hi)])
+    return out
+
+
+def _collect(st: Stack, parts, o, d, pieces: dict, duals: dict) -> list[int]:
+    """Files a chunk's directions (and ``<U, O>``) under their members; returns the
+    members whose matrices are all through."""
+    first, done = 0, []
+    for i, a, b in parts:
+        pieces.setdefault(i, []).append(o[first:first + b - a])
+        if d is not None:
+            duals.setdefault(i, []).append(d[first:first + b - a])
+        first += b - a
+        if b == st.members[i].batch:
+            done.append(i)
+    return done
+
+
+def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int, int]],
+                 scale: jax.Array | None, hps, count):
+    """Equal chunks ``run`` of one stack (gradients ``gs``) as one kernel in a loop
+    (``lax.fori_loop``): chunk ``j``'s gradient is read from the run's stacked gradients,
+    its state from the stack's buffers, both written back in place (the gradient's rows
+    by its direction ``O``). Returns each chunk's ``(O, <U, O> or None)`` and the new
+    buffers: the same arithmetic as :func:`_chunk_step` on each chunk.
+
+    The TPU compiler's time grows with the number of kernels in the program (a chunk's
+    kernel costs it about 1.4 s; BENCHMARKS.md); in a loop it compiles one."""
+    st, per, lo0 = sp.stack, run[0][1] - run[0][0], run[0][0]
+    n = len(run)
+    g_all = jnp.concatenate(gs)
+    # The directions overwrite the gradient rows they come from, unless the gradient is
+    # in another dtype than the parameters (then a buffer of their own).
+    o_all = g_all if g_all.dtype == st.dtype else jnp.zeros(g_all.shape, st.dtype)
+    hp_all = matrix_hparams(st, hps, np.arange(lo0, lo0 + n * per)[None],
+                            lambda t: np.asarray(t)[0])
+    adaptive = st.config.adaptive
+
+    def body(j, carry):
+        g_all, o_all, mom, sec, d_all = carry
+        at = j * per
+        g = jax.lax.dynamic_slice_in_dim(g_all, at, per, axis=0)
+        hp = {k: (jax.lax.dynamic_slice_in_dim(v, at, per, axis=0)
+                  if jnp.ndim(v) > 0 else v) for k, v in hp_all.items()}
+        state = MuonStackState(jax.lax.dynamic_slice_in_dim(mom, lo0 + at, per, axis=0),
+                               jax.lax.dynamic_slice_in_dim(sec, lo0 + at, per, axis=0))
+        o, state, d = muon_step(scaled(g, scale), state, hp, st.config, count, st.dtype)
+        new_second = after(state.second_moment, o)
+        mom = jax.lax.dynamic_update_slice_in_dim(mom, state.momentum, lo0 + at, axis=0)
+        sec = jax.lax.dynamic_update_slice_in_dim(sec, new_second, lo0 + at, axis=0)
+        if o_all is None:
+            g_all = jax.lax.dynamic_update_slice_in_dim(g_all, o, at, axis=0)
+        else:
+            o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, at, axis=0)
+        if adaptive:
+            d_all = jax.lax.dynamic_update_slice_in_dim(d_all, d, at, axis=0)
+        return g_all, o_all, mom, sec, d_all
+
+    d0 = jnp.zeros((n * per, 1, 1), jnp.float32) if adaptive else jnp.zeros((), jnp.float32)
+    g_all, o_all, mom, sec, d_all = jax.lax.fori_loop(
+        0, n, body, (g_all, None if o_all is g_all else o_all, bufs.momentum,
+                     bufs.second_moment, d0))
+    o_all = g_all if o_all is None else o_all
+    outs = [(o_all[j * per:(j + 1) * per],
+             d_all[j * per:(j + 1) * per] if adaptive else None) for j in range(n)]
+    return outs, MuonBuffers(mom, sec)

@@ -103,6 +103,29 @@ def test_one_chip_has_no_collectives_and_loops_the_polar_iteration(chips):
     assert_polar_loop(hlo)
 
 
+def lowered_kernels(layers: int, chips) -> tuple[int, int]:
+    """``(dots, while loops)`` of the one-chip step for ``layers`` blocks, as lowered
+    for the TPU (its form chosen; not compiled)."""
+    from benchmarks import common, tpu_compile
+
+    params = common.nanochat_params(64, layers, VOCAB, abstract=True)
+    fn, args, _, _ = tpu_compile.build("one_device", params, chips[:1])
+    text = fn.lower(*args).as_text()
+    return text.count("stablehlo.dot_general"), text.count("stablehlo.while")
+
+
+@needs_libtpu
+def test_one_chip_kernels_do_not_grow_with_layers(chips, monkeypatch):
+    from muon_optax import single
+
+    # Each stack (squares, c_fc, c_proj) has one chunk per block, in loops of up to 4
+    # chunks: 2 or 4 blocks are 3 kernels, 8 blocks 6 (one per chunk: 6, 12, 24).
+    dots = {n: lowered_kernels(n, chips)[0] for n in (2, 4, 8)}
+    assert dots[2] == dots[4] and dots[8] == 2 * dots[4], dots
+    monkeypatch.setattr(single, "LOOP_CHUNKS", 64)   # every stack one loop
+    assert lowered_kernels(8, chips) == lowered_kernels(2, chips)
+
+
 @needs_libtpu
 def test_fsdp_moves_muon_matrices_by_all_to_all_and_gathers_none(chips):
     params, hlo, ops = compile_step("fsdp", chips)
