@@ -333,7 +333,7 @@ class ExchangeSource:
         p1 = (int(offsets.max()) + n * piece - 1) // self.width + 1
         got = self.received[p0:p1]
         cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
-        start = self.comm.pick(offsets - p0 * self.width)
+        start = self.comm.pick(self.channel.offsets[k]) + (j0 * piece - p0 * self.width)
         raw = dynamic_slice(cols, start, n * piece, 1).reshape(self.comm.size, n, piece)
 
         def assemble(i):  # the matrices as member i's layout puts them together
