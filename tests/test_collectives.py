@@ -165,7 +165,8 @@ def _fsdp_step(monkeypatch, width):
         g = put(sp.mean_grads(sp.device_grads(s, range(n)), np.float32))
         p, state = step(p, state, g)
         out.append(jax.tree.map(np.asarray, p))
-    return out, step.lower(p, state, g).compile().as_text()
+    owner = tx.init.plan(put(params)).owner
+    return out, step.lower(p, state, g).compile().as_text(), owner
 
 
 @pytest.mark.parametrize("width", [7, 10**6])
@@ -173,11 +174,13 @@ def test_exchange_in_pieces_equals_the_whole_exchange(monkeypatch, width):
     """FSDP's exchange transport in column pieces (TPU) or at once (XLA:CPU): the same
     steps, bit for bit, with matrices cut across pieces; the CPU form sends one
     all-to-all each way, the pieces one per piece."""
-    whole, hlo = _fsdp_step(monkeypatch, None)
+    whole, hlo, owner = _fsdp_step(monkeypatch, None)
+    assert len(owner.exchange) == 1 and any(sp.transport == "exchange" for sp in owner.stacks)
     assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == 2
     with monkeypatch.context() as m:
-        pieces, hlo = _fsdp_step(m, width)
+        pieces, hlo, _ = _fsdp_step(m, width)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(pieces)):
         np.testing.assert_array_equal(a, b)
-    count = len(re.findall(r"all-to-all(?:-start)?\(", hlo))
-    assert count > 2 if width == 7 else count == 2
+    (ch,), (back,) = owner.exchange.values(), owner.back.values()
+    assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == (
+        -(-ch.length // width) + -(-back.length // width))
