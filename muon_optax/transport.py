@@ -330,13 +330,24 @@ class ExchangeSource:
         sp = self.owner.stacks[k]
         piece = sp.route.piece
         offsets = np.asarray(self.channel.offsets[k]) + j0 * piece
-        # Only the pieces covering these columns on any device.
         p0 = int(offsets.min()) // self.width
         p1 = (int(offsets.max()) + n * piece - 1) // self.width + 1
-        got = self.received[p0:p1]
-        cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
-        start = self.comm.pick(self.channel.offsets[k]) + (j0 * piece - p0 * self.width)
-        raw = dynamic_slice(cols, start, n * piece, 1).reshape(self.comm.size, n, piece)
+
+        def columns(first, last):  # pieces first .. last-1, this device's columns within
+            def cut(*got):
+                got = got[first:last]
+                cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
+                start = (self.comm.pick(self.channel.offsets[k])
+                         + (j0 * piece - first * self.width))
+                return dynamic_slice(cols, start, n * piece, 1)
+            return cut
+
+        # On TPU only the pieces covering these columns on any device; elsewhere the one
+        # received buffer (its pieces end to end), sliced as before the pieces.
+        whole = columns(0, len(self.received))
+        raw = (whole(*self.received) if self.comm.size == 1 else platform_dependent(
+            *self.received, tpu=columns(p0, p1), default=whole))
+        raw = raw.reshape(self.comm.size, n, piece)
 
         def assemble(i):  # the matrices as member i's layout puts them together
             route, member = sp.routes[i], sp.stack.members[i]
