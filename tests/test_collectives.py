@@ -120,3 +120,67 @@ def test_directions_gathered_in_pieces_equal_the_whole_gather(piece):
     for i in whole:
         np.testing.assert_array_equal(np.asarray(pieces[i]), np.asarray(whole[i]))
     assert len(re.findall(r"all-gather(?:-start)?\(", hlo)) == -(-length // piece)
+
+
+# ------------------------------------------------------------------ the exchange transport
+
+
+def _fsdp_step(monkeypatch, width):
+    """Two FSDP (mesh=) steps on 4 devices and the compiled step's text; ``width``: the
+    exchange transport forced into column pieces of that many elements (as on TPU), or
+    None for the form XLA:CPU lowers."""
+    import optax
+
+    import muon_optax
+    from muon_optax import transport
+
+    try:
+        from . import sharded_problem as sp
+    except ImportError:
+        import sharded_problem as sp
+
+    if width is not None:
+        monkeypatch.setattr(transport, "platform_dependent",
+                            lambda *args, tpu, default: tpu(*args))
+        monkeypatch.setattr(transport, "exchange_piece", lambda owner: width)
+    n = 4
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:n])
+    params = sp.make_params()
+    specs = sp.fsdp_specs(params, n)
+    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS,
+                               axis_name="data", mesh=mesh)
+
+    def put(tree):
+        return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+    def apply(p, st, g):
+        u, st = tx.update(g, st, p)
+        return optax.apply_updates(p, u), st
+
+    step = jax.jit(apply, compiler_options=sp.FAST_COMPILE)
+    p, state = put(params), jax.jit(tx.init)(put(params))
+    out = []
+    for s in range(2):
+        g = put(sp.mean_grads(sp.device_grads(s, range(n)), np.float32))
+        p, state = step(p, state, g)
+        out.append(jax.tree.map(np.asarray, p))
+    owner = tx.init.plan(put(params)).owner
+    return out, step.lower(p, state, g).compile().as_text(), owner
+
+
+@pytest.mark.parametrize("width", [7, 10**6])
+def test_exchange_in_pieces_equals_the_whole_exchange(monkeypatch, width):
+    """FSDP's exchange transport in column pieces (TPU) or at once (XLA:CPU): the same
+    steps, bit for bit, with matrices cut across pieces; the CPU form sends one
+    all-to-all each way, the pieces one per piece."""
+    whole, hlo, owner = _fsdp_step(monkeypatch, None)
+    assert len(owner.exchange) == 1 and any(sp.transport == "exchange" for sp in owner.stacks)
+    assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == 2
+    with monkeypatch.context() as m:
+        pieces, hlo, _ = _fsdp_step(m, width)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(pieces)):
+        np.testing.assert_array_equal(a, b)
+    (ch,), (back,) = owner.exchange.values(), owner.back.values()
+    assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == (
+        -(-ch.length // width) + -(-back.length // width))
