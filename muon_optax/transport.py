@@ -235,11 +235,12 @@ def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int
     are laid out differently: each layout's result, picked per slot (the device's own
     table row). One layout: just its result.
 
-    Why variants rather than the layout in the stack's signature: an MLP's ``c_fc`` and
-    ``c_proj`` (split on rows and on columns) share one stack: one batched polar program
-    and one balance over the devices. Split apart, each half is balanced on its own and
-    may leave a remainder slot (a ``lax.cond``) on some devices. The price is a reshape
-    per variant of the received pieces: memory traffic of the gradient's size, no matmul.
+    Why variants rather than the layout in the stack's signature: leaves of one stored
+    shape split differently (a Flax kernel and a PyTorch-layout one, one split on rows
+    and one on columns) share one stack: one batched polar program and one balance over
+    the devices. Split apart, each part is balanced on its own and may leave a remainder
+    slot (a ``lax.cond``) on some devices. The price is a reshape per variant of the
+    received pieces: memory traffic of the gradient's size, no matmul.
     """
     reps, table = sp.variants()
     if len(reps) == 1:
