@@ -463,8 +463,13 @@ class Init:
             return rec.record(self, params)
         return self._fn(params)
 
-    def global_shapes(self, params: Any, axes: tuple[tuple[str, int], ...]) -> MuonAdamWState:
-        """The state's global shape structs for ``params`` over owner ``axes``."""
+    def global_shapes(self, params: Any,
+                      axes: tuple[tuple[str, int], ...] | None = None) -> MuonAdamWState:
+        """The state's global shape structs for ``params`` over owner ``axes`` (default:
+        the options' owner axes at their mesh's sizes, 1 without a mesh)."""
+        if axes is None:
+            mesh = dict(self.options.mesh.shape) if self.options.mesh is not None else {}
+            axes = tuple((a, mesh.get(a, 1)) for a in self.options.axes or ())
         plan = tree_plan(self.options, params, axes)
         leaves = plan.treedef.flatten_up_to(params)
         return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],

@@ -74,9 +74,7 @@ def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any, Any]:
     state (traced without calling any init, so a ZeRO-2 one outside shard_map too)."""
     def shapes_of(init, seen):
         _check_contrib(init, where)
-        opts = init.options
-        mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
-        return init.global_shapes(seen, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
+        return init.global_shapes(seen)
 
     found, shapes = locate(tx, params, shapes_of)
     if len(found) != 1:
@@ -224,8 +222,7 @@ def _portable_shapes(tx: Any, params: Any) -> dict:
     from muon_optax.portable import export_state
 
     opts = tx.init.options
-    mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
-    shapes = tx.init.global_shapes(params, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
+    shapes = tx.init.global_shapes(params)
     n = 1 if opts.axes is not None and opts.mesh is None else None
     return jax.eval_shape(lambda s: export_state(tx, s, params, num_devices=n), shapes)
 

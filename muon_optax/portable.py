@@ -73,12 +73,8 @@ def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
     if isinstance(getattr(tx, "init", None), Init):
         return tx, state, params
 
-    def shapes_of(init, seen):   # the structure only: any device count will do
-        opts = init.options
-        mesh = dict(opts.mesh.shape) if opts.mesh is not None else {}
-        return init.global_shapes(seen, tuple((a, mesh.get(a, 1)) for a in opts.axes or ()))
-
-    found, _ = locate(tx, params, shapes_of)
+    # The structure only: any device count will do.
+    found, _ = locate(tx, params, lambda init, seen: init.global_shapes(seen))
     if len(found) != 1:
         raise TypeError(f"export_state: found {len(found)} muon_optax transformations in this "
                         "one; pass the muon_optax transformation itself and its part of the "
