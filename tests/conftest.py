@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 NUM_CPU_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 
@@ -26,3 +28,13 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A text file for the example GPT's tests: its own sources, 40 KB (tests that compare
+    curves across modes use a frozen corpus instead, tests/test_gpt_example.py)."""
+    sources = sorted((TESTS_DIR.parent / "examples" / "gpt").glob("*.py"))
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(b"\n".join(p.read_bytes() for p in sources)[:40_000])
+    return path

@@ -51,13 +51,6 @@ def chips():
     return list(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    text = b"\n".join(p.read_bytes() for p in sorted(EXAMPLE.glob("*.py")))
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(text[:40_000])
-    return path
-
 
 # ----------------------------------------------------------------------------- optimizer step
 

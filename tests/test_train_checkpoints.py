@@ -29,13 +29,6 @@ TINY = ["--depth", "1", "--seq-len", "16", "--batch-size", "2", "--steps", "4",
         "--eval-batches", "1", "--eval-every", "0", "--ckpt-every", "2", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    text = b"\n".join(p.read_bytes() for p in sorted(EXAMPLE.glob("*.py")))
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(text[:40_000])
-    return path
-
 
 def run(out, corpus, *extra):
     return train.main([*TINY, "--data", str(corpus), "--out", str(out), *map(str, extra)])

@@ -57,13 +57,6 @@ def _env(cache_dir):
     return env
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    text = b"\n".join(p.read_bytes() for p in sorted(TRAIN.parent.glob("*.py")))
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(text[:40_000])
-    return path
-
 
 class Processes:
     """Children of one test; ``close`` kills whatever still runs."""
