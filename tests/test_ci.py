@@ -100,13 +100,18 @@ def test_finds_the_newest_of_pyenvs_versions(repo, on_path):
         in res.stdout
 
 
+def summary(res) -> list[str]:
+    """The summary's lines of a CI run, less their timings."""
+    lines = res.stdout.split("=== summary\n")[1].splitlines()
+    return [re.sub(r" in \d+ s$", "", line) for line in lines]
+
+
 def test_runs_both_legs_and_fails_when_pytest_collects_nothing(repo):
     fake_python(repo / "bin" / "python3.13", "3.13.0")
     (repo / "rc_3.11.7").write_text("5\n")
     res = ci(repo, plan_only=False)
     assert res.returncode == 1, res.stdout + res.stderr
-    summary = res.stdout.split("=== summary\n")[1].splitlines()
-    assert [re.sub(r" in \d+ s$", "", line) for line in summary] == [
+    assert summary(res) == [
         "oldest: Python 3.11.7, jax fake: FAILED: pytest collected no tests (exit 5)",
         "newest: Python 3.13.0, jax fake: passed; TPU compiler tests: passed"]
     pins = (repo / "pip.log").read_text().splitlines()
@@ -121,8 +126,7 @@ def test_newest_leg_runs_the_tpu_tests_in_a_venv_of_their_own_and_fails_with_the
     (repo / "rc_3.13.0-tpu").write_text("1\n")
     res = ci(repo, plan_only=False)
     assert res.returncode == 1, res.stdout + res.stderr
-    summary = res.stdout.split("=== summary\n")[1].splitlines()
-    assert [re.sub(r" in \d+ s$", "", line) for line in summary] == [
+    assert summary(res) == [
         "oldest: Python 3.11.7, jax fake: passed",
         "newest: Python 3.13.0, jax fake: passed; TPU compiler tests: FAILED (exit 1)"]
     calls = (repo / "python.log").read_text().splitlines()
