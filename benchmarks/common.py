@@ -290,6 +290,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 
 _COLLECTIVE = re.compile(r"=\s*(?P<type>.*?)\s(?P<op>all-reduce|all-gather|reduce-scatter|"
                          r"all-to-all|collective-permute)(?P<suffix>-start|-done)?\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+_CHAIN = re.compile(r'chain_id="([^"]*)"')
 # Bytes one device sends on a ring, per payload byte, for a group of n devices.
 _RING_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "collective-permute": lambda n: 1.0}
 
@@ -308,10 +309,21 @@ def _group_size(line: str, num_devices: int) -> int:
     if m:
         return len([d for d in m.group(1).split(",") if d])
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)  # iota form [groups,size]<=[...]
-    return int(m.group(2)) if m else num_devices
+    if m:
+        return int(m.group(2))
+    # mesh form (the TPU compiler's): replica_groups=mesh['data'=4,'model'=2] {'model'}, the
+    # group the named axes of the mesh
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        named = re.findall(r"'([^']+)'", m.group(2))
+        if named and all(a in sizes for a in named):
+            return math.prod(sizes[a] for a in named)
+    return num_devices
 
 
-def collectives(hlo: str, num_devices: int) -> dict[str, dict[str, float]]:
+def collectives(hlo: str, num_devices: int,
+                chains: set | None = None) -> dict[str, dict[str, float]]:
     """The collectives of a compiled HLO module, per kind: ``count``, ``elements`` and
     ``bytes`` of the payload, and ``ring``: the bytes each device sends on a ring.
 
@@ -319,12 +331,23 @@ def collectives(hlo: str, num_devices: int) -> dict[str, dict[str, float]]:
     operand of a reduce-scatter (result x group size n). A ring sends ``(n-1)/n`` of it per
     device for reduce-scatter, all-gather and all-to-all, ``2 (n-1)/n`` for all-reduce.
     Async pairs count once (at ``-start``, whose all-gather result is the tuple's second half).
+    So does a collective the TPU compiler splits into pieces run inside several fusions
+    (between an ``AsyncCollectiveStart`` and ``AsyncCollectiveDone``, each piece the whole
+    op with the chain's ``chain_id``): counted at its first piece (``chains``: the chains
+    already counted, shared by the calls for one module's computations).
     """
     ops: dict[str, dict[str, float]] = {}
+    chains = set() if chains is None else chains
     for line in hlo.splitlines():
         m = _COLLECTIVE.search(line)
         if not m or m.group("suffix") == "-done":
             continue
+        chain = _CHAIN.search(line)
+        if chain:   # one piece of a collective the TPU compiler runs across fusions
+            key = (chain.group(1), m.group("op"), tuple(_arrays(m.group("type"))))
+            if key in chains:
+                continue
+            chains.add(key)
         op, arrays = m.group("op"), _arrays(m.group("type"))
         if m.group("suffix") == "-start" and op in ("all-gather", "collective-permute"):
             arrays = arrays[len(arrays) // 2:] if op == "all-gather" else arrays[1:2]

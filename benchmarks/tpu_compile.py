@@ -278,9 +278,10 @@ def loop_collectives(hlo: str, n: int) -> dict[str, dict[str, float]]:
         elif current:
             blocks[current].append(line)
     total: dict[str, dict[str, float]] = {}
+    chains: set = set()
     for name, lines in blocks.items():
         k = times.get(name, 0)
-        for op, v in common.collectives("\n".join(lines), n).items():
+        for op, v in common.collectives("\n".join(lines), n, chains).items():
             entry = total.setdefault(op, dict(count=0, bytes=0, ring=0.0))
             for key in entry:
                 entry[key] += k * v[key]

@@ -64,6 +64,29 @@ def test_collectives_parser_group_sizes_and_async_forms():
     assert ops["reduce-scatter"] == dict(count=1, elements=12, bytes=24, ring=24 / 2)
 
 
+def test_collectives_parser_mesh_groups_and_chained_pieces():
+    """The TPU compiler's forms: groups named by mesh axes, and one all-gather run in
+    pieces inside several fusions (each piece the whole op, one chain_id): counted once."""
+    groups = "replica_groups=mesh['data'=4,'model'=2] {'model'}, dimensions={0}"
+    piece = ("  %ag.{i} = f32[256,64]{{1,0:T(8,128){s}}} all-gather(f32[128,64]{{1,0}} %p.{i}), "
+             "{groups}, frontend_attributes={{chain_id=\"0\"}}")
+    hlo = "\n".join([piece.format(i=i, s="S(1)" if i else "", groups=groups)
+                     for i in range(5)] + [
+        "  %a2a = f32[2,8]{1,0} all-to-all(f32[2,8]{1,0} %q), "
+        "replica_groups=mesh['data'=4,'model'=2] {'data','model'}, dimensions={0}",
+        "  %ar = f32[8]{0} all-reduce(f32[8]{0} %r), replica_groups=mesh['x'=8] {'data'}",
+    ])
+    ops = common.collectives(hlo, 8)
+    assert ops["all-gather"] == dict(count=1, elements=256 * 64, bytes=256 * 64 * 4,
+                                     ring=256 * 64 * 4 / 2)
+    assert ops["all-to-all"]["ring"] == 64 * 7 / 8
+    assert ops["all-reduce"]["ring"] == 32 * 2 * 7 / 8   # axes it cannot name: all devices
+    chains: set = set()   # one module read computation by computation: still once
+    twice = [common.collectives(piece.format(i=i, s="", groups=groups), 8, chains)
+             for i in range(2)]
+    assert [o.get("all-gather", {}).get("count", 0) for o in twice] == [1, 0]
+
+
 def test_nanochat_params_shapes_and_stack_flops():
     params = common.nanochat_params(64, 2, 256)
     assert params["blocks"][1]["mlp"]["c_proj"]["kernel"].shape == (256, 64)
