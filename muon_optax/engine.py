@@ -60,6 +60,9 @@ from muon_optax.variables import unbox, unboxed_structure
 from muon_optax.warn import warn_if_split
 from muon_optax.wrapped import recorder
 
+# Lowering-time choice of a TPU-only form; tests force that form on CPU through this name.
+platform_dependent = jax.lax.platform_dependent
+
 
 class MuonAdamWState(NamedTuple):
     """State of :func:`muon_optax.muon_adamw`.
@@ -223,6 +226,39 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
             p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
         out[a.index] = (g, p)
     return out
+
+
+def _late_adamw(plan: TreePlan, comm: Collectives) -> tuple:
+    """The ``mesh=`` form's AdamW leaves that are whole on every device but stepped split
+    over the owner axes: their update is all-gathered whole for ``apply_updates``, so
+    they are stepped after the Muon phase (:func:`_late_adamw_phase`)."""
+    if not (comm.active and comm.grads_reduced) or plan.per_stack_state:
+        return ()
+    return tuple(a for a in plan.adamw if a.axis is not None and not a.local)
+
+
+def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
+                      leaves, state, scale, updates: list, muon) -> tuple[Any, Any]:
+    """:func:`_adamw_grads` and :func:`_adamw_phase` for the ``late`` leaves, once the
+    Muon phase is through. On TPU their inputs pass an optimization barrier with the Muon
+    phase's results: the compiler otherwise steps them first and may start the gather of
+    each whole update at once, holding it (a whole leaf per chip: 192 MiB for nanochat
+    d768's embedding) through the Muon phase (v5e). Elsewhere the same arithmetic, no
+    barrier. ``leaves``: ``(g_leaves, p_leaves)``; ``state``: the ``(mu, nu)`` trees."""
+    g_leaves, p_leaves = leaves
+    mu, nu = (plan.treedef.flatten_up_to(x) for x in state)
+    ins = [(g_leaves[a.index], None if p_leaves is None else p_leaves[a.index],
+            mu[a.index], nu[a.index]) for a in late]
+    tied = ([updates[m.index] for m in plan.muon], muon)
+    ins = platform_dependent(ins, tied, default=lambda ins, tied: ins,
+                             tpu=lambda ins, tied: jax.lax.optimization_barrier((ins, tied))[0])
+    for a, (g, p, m, v) in zip(late, ins):
+        g = scaled(comm.mean_scatter(pad_to(g, a.padded), a.axis), scale)
+        p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
+        u, mu[a.index], nu[a.index] = adamw_leaf_update(g, p, m, v, t, hps[a.group],
+                                                        cfg=opts.configs[a.group])
+        updates[a.index] = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
+    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
 
 
 def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads: dict,
@@ -406,7 +442,9 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     count = state.count
     hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
                   else muon_hparams(c, count)) for name, c in opts.configs.items()}
-    adamw_grads = _adamw_grads(plan, comm, g_leaves, p_leaves)
+    late = _late_adamw(plan, comm)
+    early = dataclasses.replace(plan, adamw=tuple(a for a in plan.adamw if a not in late))
+    adamw_grads = _adamw_grads(early, comm, g_leaves, p_leaves)
     g_view, p_view = _block_views(plan, g_leaves), _block_views(plan, p_leaves)
     sharded = comm.active and not plan.per_stack_state
     moves = Transports(plan.owner, g_view, comm) if sharded else None
@@ -416,7 +454,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     stats = stats or GradStats(None, None)
     adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
     updates = [None] * len(g_leaves)
-    mu, nu = _adamw_phase(plan, opts, comm, hps, count + 1, adamw_grads, state, updates)
+    mu, nu = _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, state, updates)
     if moves is None:   # one device: stack -> kernel -> unstack
         muon = single.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
                                  state.muon, stats.scale, updates)
@@ -424,6 +462,9 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
         moves.scale = stats.scale
         muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, g_view,
                                  p_view, state, updates)
+    if late:
+        mu, nu = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
+                                   (g_leaves, p_leaves), (mu, nu), stats.scale, updates, muon)
     for m in plan.muon:   # from the block views back to the leaves
         updates[m.index] = updates[m.index].reshape(g_leaves[m.index].shape)
     new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped,
