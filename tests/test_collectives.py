@@ -184,3 +184,27 @@ def test_exchange_in_pieces_equals_the_whole_exchange(monkeypatch, width):
     (ch,), (back,) = owner.exchange.values(), owner.back.values()
     assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == (
         -(-ch.length // width) + -(-back.length // width))
+
+
+def test_scatter_pieces_narrow_with_more_devices():
+    """A piece of every device's row holds one largest Muon matrix a device up to
+    ``PIECE_MATRICES`` devices and that many matrices in all beyond (on a 64-chip v5p
+    a row is about one largest matrix: whole-row pieces were the whole buffer)."""
+    import muon_optax
+    from muon_optax import transport
+
+    try:
+        from . import sharded_problem as sp
+    except ImportError:
+        import sharded_problem as sp
+
+    params = sp.make_params()
+    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data")
+    pieces = {}
+    for n in (4, 8, 16, 64):
+        owner = tx.init.plan(params, n).owner
+        largest = max(s.stack.rows * s.stack.cols for s in owner.stacks)
+        pieces[n] = transport.scatter_piece(owner)
+        assert pieces[n] * n <= transport.PIECE_MATRICES * largest
+    assert pieces[4] == pieces[8] == largest
+    assert pieces[16] == largest // 2 and pieces[64] == largest // 8
