@@ -81,6 +81,11 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(t, "vma", ()))
 
 
+# On TPU a large AdamW gradient's reduce-scatter (an all-to-all and a sum) goes in pieces
+# of at most this many bytes of the gradient (:meth:`Collectives.mean_scatter`).
+SCATTER_PIECE_BYTES = 64 * 2**20
+
+
 class Collectives:
     """Mean-reduce, scatter, gather and exchange along the owner axes.
 
@@ -127,8 +132,9 @@ class Collectives:
             return x
         if self.grads_reduced:
             return self.local(x, axis)
-        y = jax.lax.platform_dependent(x, tpu=lambda x: self._sum_scatter_by_exchange(x, axis),
-                                       default=self._sum_scatter(axis))
+        y = jax.lax.platform_dependent(
+            x, tpu=lambda x: self._sum_scatter_by_exchange_pieces(x, axis, SCATTER_PIECE_BYTES),
+            default=self._sum_scatter(axis))
         return (y / self.size).astype(x.dtype)
 
     def _sum_scatter(self, axis: int):
@@ -192,6 +198,28 @@ class Collectives:
         rows = x.reshape((n, x.shape[0] // n) + x.shape[1:])
         y = jnp.sum(jax.lax.all_to_all(rows, self.axes, 0, 0, tiled=True), axis=0)
         return jnp.moveaxis(y, 0, axis)
+
+    def _sum_scatter_by_exchange_pieces(self, x: jax.Array, axis: int,
+                                        budget: int) -> jax.Array:
+        """:meth:`_sum_scatter_by_exchange` in pieces of at most ``budget`` bytes of
+        ``x``, cut along its longest other axis (in multiples of 128 where it is that
+        long), each exchanged and summed once the previous piece's sum is: the operand's
+        relaid copy and the all-to-all's result (each all of ``x``) are never whole at
+        once. The same bytes travel; the sums are the same, element by element."""
+        others = [a for a in range(x.ndim) if a != axis]
+        if not others or x.nbytes <= budget:
+            return self._sum_scatter_by_exchange(x, axis)
+        cut = max(others, key=lambda a: x.shape[a])
+        size = x.shape[cut]
+        width = -(-size // -(-x.nbytes // budget))
+        if size >= 128:
+            width = -(-width // 128) * 128
+        out, prev = [], None
+        for c0 in range(0, size, width):
+            part = after(jax.lax.slice_in_dim(x, c0, min(size, c0 + width), axis=cut), prev)
+            prev = self._sum_scatter_by_exchange(part, axis)
+            out.append(prev)
+        return jnp.concatenate(out, axis=cut) if len(out) > 1 else out[0]
 
     def gather(self, x: jax.Array, axis: int) -> jax.Array:
         """All-gather: the devices' slices concatenated along ``axis``, the same everywhere."""

@@ -167,6 +167,37 @@ def test_zero2_moves_the_muon_matrices_in_pieces(chips, monkeypatch):
 
 
 @needs_libtpu
+def test_zero2_pieces_narrow_on_64_chips():
+    """On a v5p 4x4x4 slice a chip's row of the Muon buffer is about one largest matrix:
+    each piece of the gradients' all-to-all holds at most ``PIECE_MATRICES`` of them."""
+    from jax.experimental import topologies
+
+    from muon_optax import transport
+
+    devices = list(topologies.get_topology_desc(topology_name="v5p:4x4x4",
+                                                platform="tpu").devices)
+    params, hlo, ops = compile_step("zero2", devices)
+    largest = max(math.prod(s) for s in muon_shapes(params))
+    sizes = all_to_all_sizes(hlo)
+    assert len(sizes) >= transport.PIECE_MATRICES, sizes
+    assert max(sizes) <= transport.PIECE_MATRICES * largest, (sizes, largest)
+
+
+@needs_libtpu
+def test_zero2_reduce_scatters_a_large_adamw_gradient_in_pieces(chips, monkeypatch):
+    """An AdamW gradient over ``SCATTER_PIECE_BYTES`` goes in pieces (the embedding and
+    the head: 512 KiB each here): more all-to-alls, the same bytes."""
+    from muon_optax import sharding
+
+    _, _, whole = compile_step("zero2", chips)
+    monkeypatch.setattr(sharding, "SCATTER_PIECE_BYTES", 128 * 2**10)
+    _, _, ops = compile_step("zero2", chips)
+    # the embedding (512, 256) in 2 pieces of 128 columns, the head (256, 512) in 4
+    assert ops["all-to-all"]["count"] == whole["all-to-all"]["count"] + 4, (ops, whole)
+    assert ops["all-to-all"]["ring"] == whole["all-to-all"]["ring"], (ops, whole)
+
+
+@needs_libtpu
 def test_head_blocks_under_head_parallel_stay_where_they_lie(chips):
     params, hlo, ops = compile_step("heads_tp", chips)
     attention = (WIDTH, WIDTH)
