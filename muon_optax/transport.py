@@ -289,22 +289,30 @@ class ExchangeSource:
             got = comm.exchange(jnp.stack(device_rows(unflatten(flat), length, dtype)))
             return [jax.lax.slice_in_dim(got, c0, c1, axis=1) for c0, c1 in self.bounds]
 
+        def none_yet(*flat):   # TPU: each piece is exchanged by the load that first needs it
+            del flat
+            return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
+
+        self.dtype, self.flat, self.unflatten = dtype, flat, unflatten
+        self.got: dict[int, jax.Array] = {}   # piece -> received (TPU: exchanged in load)
         if comm.size == 1:
             self.received = whole(*flat)
         else:
-            self.received = platform_dependent(
-                *flat, tpu=lambda *f: self._by_pieces(unflatten(f), dtype), default=whole)
+            self.received = platform_dependent(*flat, tpu=none_yet, default=whole)
 
-    def _by_pieces(self, rows: list[list[jax.Array]], dtype: Any) -> list[jax.Array]:
-        """The all-to-all in column pieces (TPU), each ``(N, width)``: each piece is
-        packed once the previous one is exchanged, so that neither the packed buffer nor
-        the received one is whole at once. The same bytes travel."""
-        out, prev = [], None
-        for c0, c1 in self.bounds:
-            packed = jnp.stack([after(row_slice(r, c0, c1, dtype), prev) for r in rows])
-            prev = self.comm.exchange(packed)
-            out.append(prev)
-        return out
+    def _exchange(self, first: int, last: int, flat, got: dict, prev) -> dict:
+        """Pieces ``first .. last-1`` not yet in ``got``, each exchanged (TPU): packed
+        once ``prev`` (the previous stack's direction) and the previous piece are in, so
+        that a piece is received just before the load that first reads it, not all of
+        them before the first stack runs. The same bytes travel."""
+        rows, got = self.unflatten(flat), dict(got)
+        for p in range(first, last):
+            if p in got:
+                continue
+            c0, c1 = self.bounds[p]
+            packed = jnp.stack([row_slice(r, c0, c1, self.dtype) for r in rows])
+            got[p] = self.comm.exchange(after(after(packed, got.get(p - 1)), prev))
+        return got
 
     @staticmethod
     def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
@@ -327,15 +335,14 @@ class ExchangeSource:
         return out
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        del prev
         sp = self.owner.stacks[k]
         piece = sp.route.piece
         offsets = np.asarray(self.channel.offsets[k]) + j0 * piece
         p0 = int(offsets.min()) // self.width
-        p1 = (int(offsets.max()) + n * piece - 1) // self.width + 1
+        p1 = min(len(self.bounds), (int(offsets.max()) + n * piece - 1) // self.width + 1)
 
         def columns(first, last):  # pieces first .. last-1, this device's columns within
-            def cut(*got):
+            def cut(got):
                 got = got[first:last]
                 cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
                 start = (self.comm.pick(self.channel.offsets[k])
@@ -343,11 +350,33 @@ class ExchangeSource:
                 return dynamic_slice(cols, start, n * piece, 1)
             return cut
 
-        # On TPU only the pieces covering these columns on any device; elsewhere the one
-        # received buffer (its pieces end to end), sliced as before the pieces.
+        # On TPU only the pieces covering these columns on any device, exchanged here if
+        # no earlier load did; elsewhere the one received buffer (its pieces end to
+        # end), sliced as before the pieces.
         whole = columns(0, len(self.received))
-        raw = (whole(*self.received) if self.comm.size == 1 else platform_dependent(
-            *self.received, tpu=columns(p0, p1), default=whole))
+        if self.comm.size == 1:
+            raw = whole(self.received)
+        else:
+            new = [p for p in range(p0, p1) if p not in self.got]
+            have = [p for p in sorted(self.got) if p0 - 1 <= p < p1]
+            nf, nh = len(self.flat), len(have)
+
+            def tpu(*args):
+                flat, held = args[:nf], args[nf:nf + nh]
+                wait = args[-1] if prev is not None else None
+                got = self._exchange(p0, p1, flat, dict(zip(have, held)), wait)
+                return (columns(p0, p1)([None] * p0 + [got[p] for p in range(p0, p1)]),
+                        *[got[p] for p in new])
+
+            def default(*args):
+                del args
+                return (whole(self.received), *[self.received[p] for p in new])
+
+            wait = prev if prev is not None else jnp.zeros((), self.dtype)
+            out = platform_dependent(*self.flat, *[self.got[p] for p in have], wait,
+                                     tpu=tpu, default=default)
+            raw = out[0]
+            self.got.update(zip(new, out[1:]))
         raw = raw.reshape(self.comm.size, n, piece)
 
         def assemble(i):  # the matrices as member i's layout puts them together
