@@ -365,8 +365,8 @@ class ExchangeSource:
                 flat, held = args[:nf], args[nf:nf + nh]
                 wait = args[-1] if prev is not None else None
                 got = self._exchange(p0, p1, flat, dict(zip(have, held)), wait)
-                return (columns(p0, p1)([None] * p0 + [got[p] for p in range(p0, p1)]),
-                        *[got[p] for p in new])
+                raw = columns(p0, p1)([None] * p0 + [got[p] for p in range(p0, p1)])
+                return (after(raw, wait), *[got[p] for p in new])
 
             def default(*args):
                 del args
@@ -389,12 +389,25 @@ class ExchangeSource:
 
 
 class ExchangeSink:
-    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block."""
+    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block.
+
+    Elsewhere than on TPU every store goes into one ``(N, length)`` buffer sent by one
+    all-to-all once every stack has run. On TPU the columns are kept in pieces of
+    :func:`exchange_piece` elements a row, each sent as soon as the stores that can
+    write it are done, so neither the whole buffer nor every direction is alive across
+    the Muon loop. The same bytes travel.
+    """
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
-        self.owner, self.comm = owner, comm
+        self.owner, self.comm, self.dtype = owner, comm, dtype
         self.channel = owner.back[dtype]
         self.buffer = jnp.zeros((comm.size, self.channel.length), dtype)
+        length, width = self.channel.length, max(1, exchange_piece(owner))
+        self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
+        self.windows: dict[int, jax.Array] = {}   # TPU: each stack's columns
+        self.stored: jax.Array | None = None       # TPU: the last store's result
+        self.got: dict[int, jax.Array] = {}     # TPU: pieces sent, as received
+        self.first_unsent = 0
 
     @staticmethod
     def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
@@ -413,17 +426,85 @@ class ExchangeSink:
 
         rows = _by_variant(sp, self.comm, j0, n, split, axis=1).reshape(self.comm.size, -1)
         start = self.comm.pick(self.channel.offsets[k]) + j0 * sp.route.block_size
-        if owned is not None:
-            rows = jnp.where(owned, rows, dynamic_slice(self.buffer, start, rows.shape[1], 1))
-        self.buffer = dynamic_update(self.buffer, rows, start, 1)
+
+        def whole():
+            r = rows
+            if owned is not None:
+                r = jnp.where(owned, r, dynamic_slice(self.buffer, start, r.shape[1], 1))
+            return dynamic_update(self.buffer, r, start, 1)
+
+        if self.comm.size == 1:
+            self.buffer = whole()
+            return
+        # TPU: the stack's own window of columns (where any device may write it), so the
+        # write never straddles buffers; the pieces complete after this store (on every
+        # device the next real write starts past them: stacks lie in the channel in
+        # order, slots in order within a stack, an unowned slot writes nothing) are cut
+        # from the windows and sent.
+        size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
+        lo = int(offsets.min())
+        window = self.windows.get(k)
+        if window is None:
+            window = jnp.zeros((self.comm.size, int(offsets.max()) + sp.num_slots * size - lo),
+                               self.dtype)
+        nxt = int((offsets + np.minimum(j0 + n, np.asarray(sp.counts)) * size).min())
+        done = [p for p in range(self.first_unsent, len(self.bounds)) if self.bounds[p][1] <= nxt]
+
+        def tpu():
+            r = rows
+            if owned is not None:
+                r = jnp.where(owned, r, dynamic_slice(window, start - lo, r.shape[1], 1))
+            windows = dict(self.windows)
+            windows[k] = dynamic_update(window, r, start - lo, 1)
+            return (self.buffer, windows[k],
+                    *[self.comm.exchange(self._piece(p, windows)) for p in done])
+
+        def default():
+            return (whole(), window, *[self._zeros(p) for p in done])
+
+        out = platform_dependent(tpu=tpu, default=default)
+        self.buffer, self.windows[k] = out[0], out[1]
+        self.got.update(zip(done, out[2:]))
+        self.stored = out[-1]
+        self.first_unsent = max([self.first_unsent] + [p + 1 for p in done])
+
+    def _zeros(self, p: int) -> jax.Array:
+        c0, c1 = self.bounds[p]
+        return jnp.zeros((self.comm.size, c1 - c0), self.dtype)
+
+    def _piece(self, p: int, windows: dict[int, jax.Array]) -> jax.Array:
+        """Columns ``c0 .. c1-1`` of the direction buffer (TPU), from the stacks'
+        windows: each column from the stack that holds it on this device (windows of
+        neighbouring stacks overlap where devices own different counts), zero past
+        this device's last."""
+        c0, c1 = self.bounds[p]
+        out = self._zeros(p)
+        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, c1 - c0), 1)
+        for k, window in windows.items():
+            sp = self.owner.stacks[k]
+            offsets = np.asarray(self.channel.offsets[k])
+            lo = int(offsets.min())
+            hi = lo + window.shape[1]
+            if hi <= c0 or c1 <= lo:
+                continue
+            seg = window[:, max(c0, lo) - lo:min(c1, hi) - lo]
+            seg = jnp.pad(seg, ((0, 0), (max(c0, lo) - c0, c1 - min(c1, hi))))
+            first = self.comm.pick(offsets)
+            last = self.comm.pick(offsets + np.asarray(sp.counts) * sp.route.block_size)
+            out = jnp.where((cols >= first) & (cols < last), seg, out)
+        return out
 
     def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         if self.comm.size == 1:
             return self._whole(self.buffer, local_shapes)
-        return platform_dependent(
-            self.buffer,
-            tpu=lambda b: self._by_pieces(b, local_shapes, exchange_piece(self.owner)),
-            default=lambda b: self._whole(b, local_shapes))
+
+        def tpu():
+            got = [self.got[p] if p in self.got
+                   else self.comm.exchange(self._piece(p, self.windows))
+                   for p in range(len(self.bounds))]
+            return self._from_pieces(got, local_shapes)
+
+        return platform_dependent(tpu=tpu, default=lambda: self._whole(self.buffer, local_shapes))
 
     def _whole(self, buffer: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         received, out = self.comm.exchange(buffer), {}
@@ -435,28 +516,17 @@ class ExchangeSink:
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
         return out
 
-    def _by_pieces(self, buffer: jax.Array, local_shapes: dict[int, tuple],
-                   piece: int) -> dict[int, jax.Array]:
-        """The back-buffer exchanged in column pieces of at most ``piece`` elements a row
-        (TPU), each once the previous one is in; a leaf is built once the pieces holding
-        its blocks are in, so the received blocks are not all alive at once."""
-        length, piece = self.channel.length, max(1, piece)
-        bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, max(length, 1), piece)]
-        ready: dict[int, list] = {}   # piece index -> the members it completes
+    def _from_pieces(self, got: list[jax.Array],
+                     local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        """Every leaf's blocks from the received column pieces (TPU), each leaf read from
+        the pieces holding its blocks only."""
+        out = {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
             size = sp.route.block_size
             for m, route, spans in zip(sp.stack.members, sp.routes,
                                        member_spans(self.channel, k, sp, size)):
-                last = max((at + size - 1) // piece for _, at in spans)
-                ready.setdefault(last, []).append((m, route, spans, size))
-        got, prev, out = [], None, {}
-        for p, (c0, c1) in enumerate(bounds):
-            prev = self.comm.exchange(after(jax.lax.slice_in_dim(buffer, c0, c1, axis=1),
-                                            prev))
-            got.append(prev)
-            for m, route, spans, size in ready.get(p, []):
-                y = jnp.stack([span(got, bounds, d, at, size) for d, at in spans])
+                y = jnp.stack([span(got, self.bounds, d, at, size) for d, at in spans])
                 out[m.index] = m.join_batch(y.reshape((m.batch,) + route.block_shape),
                                             local_shapes[m.index])
         return out
@@ -544,7 +614,13 @@ class Transports:
         return LOCAL if sp.transport == LOCAL else (sp.transport, sp.stack.dtype)
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        return scaled(self.sources[self._key(k)].load(k, j0, n, prev), self.scale)
+        key = self._key(k)
+        if key[0] == EXCHANGE and self.sinks[key].stored is not None:
+            # On TPU an exchange load waits for the last store (its direction cut into
+            # the holders' blocks, or the pieces it completed sent), so that no
+            # direction waits for the end of the Muon loop to be stored.
+            prev = self.sinks[key].stored
+        return scaled(self.sources[key].load(k, j0, n, prev), self.scale)
 
     def reduced_buffers(self) -> list[jax.Array]:
         """The reduce-scattered gradient shares (ZeRO-2): every Muon element in exactly

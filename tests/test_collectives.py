@@ -221,3 +221,30 @@ def test_exchange_pieces_wait_for_the_stacks_before(monkeypatch):
     assert len(exchanges) > forward
     free = [n for n in exchanges if not waits_for_loop(n, set())]
     assert 0 < len(free) < forward
+
+
+def test_directions_sent_back_as_their_stacks_finish(monkeypatch):
+    """On TPU a piece of the directions goes back as soon as the stores that can write
+    it are done, before later stacks run: fewer all-to-alls than the back channel's
+    pieces are left for after the last Muon kernel (before, every piece waited for the
+    last store)."""
+    width = 7
+    _, hlo, owner = _fsdp_step(monkeypatch, width)
+    deps = _entry_deps(hlo)
+    users: dict[str, set[str]] = {}
+    for name, (_, reads) in deps.items():
+        for r in reads:
+            users.setdefault(r, set()).add(name)
+
+    def feeds_loop(name, seen):
+        for u in users.get(name, ()):
+            if u not in seen:
+                seen.add(u)
+                if deps[u][0] in ("while", "conditional") or feeds_loop(u, seen):
+                    return True
+        return False
+
+    exchanges = [n for n, (op, _) in deps.items() if op in ("all-to-all", "all-to-all-start")]
+    (back,) = owner.back.values()
+    after_last = [n for n in exchanges if not feeds_loop(n, set())]
+    assert 0 < len(after_last) < -(-back.length // width)
