@@ -404,7 +404,7 @@ class ExchangeSink:
         self.buffer = jnp.zeros((comm.size, self.channel.length), dtype)
         length, width = self.channel.length, max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
-        self.windows: dict[int, jax.Array] = {}   # TPU: each stack's columns
+        self.parts: dict[int, jax.Array] = {}   # TPU: pieces being written
         self.stored: jax.Array | None = None       # TPU: the last store's result
         self.got: dict[int, jax.Array] = {}     # TPU: pieces sent, as received
         self.first_unsent = 0
@@ -436,63 +436,59 @@ class ExchangeSink:
         if self.comm.size == 1:
             self.buffer = whole()
             return
-        # TPU: the stack's own window of columns (where any device may write it), so the
-        # write never straddles buffers; the pieces complete after this store (on every
-        # device the next real write starts past them: stacks lie in the channel in
-        # order, slots in order within a stack, an unowned slot writes nothing) are cut
-        # from the windows and sent.
+        # TPU: the rows go straight into the unsent pieces they may fall in on some
+        # device; the pieces complete after this store (on every device the next real
+        # write starts past them: stacks lie in the channel in order, slots in order
+        # within a stack, an unowned slot writes nothing) are sent.
         size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
-        lo = int(offsets.min())
-        window = self.windows.get(k)
-        if window is None:
-            window = jnp.zeros((self.comm.size, int(offsets.max()) + sp.num_slots * size - lo),
-                               self.dtype)
+        lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
+        touched = [p for p in range(self.first_unsent, len(self.bounds))
+                   if self.bounds[p][0] < hi and lo < self.bounds[p][1]]
         nxt = int((offsets + np.minimum(j0 + n, np.asarray(sp.counts)) * size).min())
         done = [p for p in range(self.first_unsent, len(self.bounds)) if self.bounds[p][1] <= nxt]
+        parts = {p: self.parts.get(p, self._zeros(p)) for p in touched + done}
 
         def tpu():
-            r = rows
-            if owned is not None:
-                r = jnp.where(owned, r, dynamic_slice(window, start - lo, r.shape[1], 1))
-            windows = dict(self.windows)
-            windows[k] = dynamic_update(window, r, start - lo, 1)
-            return (self.buffer, windows[k],
-                    *[self.comm.exchange(self._piece(p, windows)) for p in done])
+            new = dict(parts)
+            for p in touched:
+                new[p] = self._into(parts[p], rows, start, self.bounds[p][0], owned)
+            got = [self.comm.exchange(new[p]) for p in done]
+            last = got[-1] if got else new[touched[-1]] if touched else rows
+            return (self.buffer, last[:1, :1], *[new[p] for p in touched], *got)
 
         def default():
-            return (whole(), window, *[self._zeros(p) for p in done])
+            return (whole(), self.buffer[:1, :1], *[parts[p] for p in touched],
+                    *[parts[p] for p in done])
 
         out = platform_dependent(tpu=tpu, default=default)
-        self.buffer, self.windows[k] = out[0], out[1]
-        self.got.update(zip(done, out[2:]))
-        self.stored = out[-1]
+        self.buffer = out[0]
+        self.parts.update(zip(touched, out[2:2 + len(touched)]))
+        self.got.update(zip(done, out[2 + len(touched):]))
+        for p in done:
+            self.parts.pop(p, None)
+        self.stored = out[1]
         self.first_unsent = max([self.first_unsent] + [p + 1 for p in done])
 
     def _zeros(self, p: int) -> jax.Array:
         c0, c1 = self.bounds[p]
         return jnp.zeros((self.comm.size, c1 - c0), self.dtype)
 
-    def _piece(self, p: int, windows: dict[int, jax.Array]) -> jax.Array:
-        """Columns ``c0 .. c1-1`` of the direction buffer (TPU), from the stacks'
-        windows: each column from the stack that holds it on this device (windows of
-        neighbouring stacks overlap where devices own different counts), zero past
-        this device's last."""
-        c0, c1 = self.bounds[p]
-        out = self._zeros(p)
-        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, c1 - c0), 1)
-        for k, window in windows.items():
-            sp = self.owner.stacks[k]
-            offsets = np.asarray(self.channel.offsets[k])
-            lo = int(offsets.min())
-            hi = lo + window.shape[1]
-            if hi <= c0 or c1 <= lo:
-                continue
-            seg = window[:, max(c0, lo) - lo:min(c1, hi) - lo]
-            seg = jnp.pad(seg, ((0, 0), (max(c0, lo) - c0, c1 - min(c1, hi))))
-            first = self.comm.pick(offsets)
-            last = self.comm.pick(offsets + np.asarray(sp.counts) * sp.route.block_size)
-            out = jnp.where((cols >= first) & (cols < last), seg, out)
-        return out
+    @staticmethod
+    def _into(part: jax.Array, rows: jax.Array, start, c0: int,
+              owned: jax.Array | None) -> jax.Array:
+        """``part`` (columns ``c0 ..`` of the direction buffer) with whatever of ``rows``
+        (columns ``start ..`` on this device) falls in it. The rows are padded by a
+        piece's width on each side, so that the window read for the piece starts inside
+        them wherever they overlap it (no clamped read); columns outside the rows (or of
+        a slot this device does not own) keep the piece's values."""
+        length, width = rows.shape[1], part.shape[1]
+        padded = jnp.pad(rows, ((0, 0), (width, width)))
+        window = dynamic_slice(padded, c0 - start + width, width, 1)
+        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
+        mask = (cols >= start) & (cols < start + length)
+        if owned is not None:
+            mask = mask & owned
+        return jnp.where(mask, window, part)
 
     def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         if self.comm.size == 1:
@@ -500,7 +496,7 @@ class ExchangeSink:
 
         def tpu():
             got = [self.got[p] if p in self.got
-                   else self.comm.exchange(self._piece(p, self.windows))
+                   else self.comm.exchange(self.parts.get(p, self._zeros(p)))
                    for p in range(len(self.bounds))]
             return self._from_pieces(got, local_shapes)
 
