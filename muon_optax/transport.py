@@ -451,7 +451,8 @@ class ExchangeSink:
         def tpu():
             new = dict(parts)
             for p in touched:
-                new[p] = self._into(parts[p], rows, start, self.bounds[p][0], owned)
+                new[p] = self._into(parts[p], rows, start, self.bounds[p][0], lo,
+                                    int(offsets.max()) + j0 * size, owned)
             got = [self.comm.exchange(new[p]) for p in done]
             last = got[-1] if got else new[touched[-1]] if touched else rows
             return (self.buffer, last[:1, :1], *[new[p] for p in touched], *got)
@@ -474,16 +475,19 @@ class ExchangeSink:
         return jnp.zeros((self.comm.size, c1 - c0), self.dtype)
 
     @staticmethod
-    def _into(part: jax.Array, rows: jax.Array, start, c0: int,
+    def _into(part: jax.Array, rows: jax.Array, start, c0: int, first: int, last: int,
               owned: jax.Array | None) -> jax.Array:
         """``part`` (columns ``c0 ..`` of the direction buffer) with whatever of ``rows``
-        (columns ``start ..`` on this device) falls in it. The rows are padded by a
-        piece's width on each side, so that the window read for the piece starts inside
-        them wherever they overlap it (no clamped read); columns outside the rows (or of
-        a slot this device does not own) keep the piece's values."""
+        (columns ``start ..`` on this device, ``first <= start <= last`` on every
+        device) falls in it. Only the columns of the rows that can fall in it on some
+        device are read, padded by the piece's width on each side, so that the window
+        read for the piece starts inside them wherever they overlap it (no clamped
+        read); columns outside the rows (or of a slot this device does not own) keep
+        the piece's values."""
         length, width = rows.shape[1], part.shape[1]
-        padded = jnp.pad(rows, ((0, 0), (width, width)))
-        window = dynamic_slice(padded, c0 - start + width, width, 1)
+        a, b = max(0, c0 - last), min(length, c0 + width - first)
+        padded = jnp.pad(rows[:, a:b], ((0, 0), (width, width)))
+        window = dynamic_slice(padded, c0 - start - a + width, width, 1)
         cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
         mask = (cols >= start) & (cols < start + length)
         if owned is not None:
