@@ -300,22 +300,30 @@ class ExchangeSource:
             got = comm.exchange(jnp.stack(device_rows(unflatten(flat), length, dtype)))
             return [jax.lax.slice_in_dim(got, c0, c1, axis=1) for c0, c1 in self.bounds]
 
+        def none_yet(*flat):   # TPU: each piece is exchanged by the load that first needs it
+            del flat
+            return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
+
+        self.dtype, self.flat, self.unflatten = dtype, flat, unflatten
+        self.got: dict[int, jax.Array] = {}   # piece -> received (TPU: exchanged in load)
         if comm.size == 1:
             self.received = whole(*flat)
         else:
-            self.received = platform_dependent(
-                *flat, tpu=lambda *f: self._by_pieces(unflatten(f), dtype), default=whole)
+            self.received = platform_dependent(*flat, tpu=none_yet, default=whole)
 
-    def _by_pieces(self, rows: list[list[jax.Array]], dtype: Any) -> list[jax.Array]:
-        """The all-to-all in column pieces (TPU), each ``(N, width)``: each piece is
-        packed once the previous one is exchanged, so that neither the packed buffer nor
-        the received one is whole at once. The same bytes travel."""
-        out, prev = [], None
-        for c0, c1 in self.bounds:
-            packed = jnp.stack([after(row_slice(r, c0, c1, dtype), prev) for r in rows])
-            prev = self.comm.exchange(packed)
-            out.append(prev)
-        return out
+    def _exchange(self, first: int, last: int, flat, got: dict, prev) -> dict:
+        """Pieces ``first .. last-1`` not yet in ``got``, each exchanged (TPU): packed
+        once ``prev`` (the previous stack's direction) and the previous piece are in, so
+        that a piece is received just before the load that first reads it, not all of
+        them before the first stack runs. The same bytes travel."""
+        rows, got = self.unflatten(flat), dict(got)
+        for p in range(first, last):
+            if p in got:
+                continue
+            c0, c1 = self.bounds[p]
+            packed = jnp.stack([row_slice(r, c0, c1, self.dtype) for r in rows])
+            got[p] = self.comm.exchange(after(after(packed, got.get(p - 1)), prev))
+        return got
 
     @staticmethod
     def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
@@ -338,15 +346,14 @@ class ExchangeSource:
         return out
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        del prev
         sp = self.owner.stacks[k]
         piece = sp.route.piece
         offsets = np.asarray(self.channel.offsets[k]) + j0 * piece
         p0 = int(offsets.min()) // self.width
-        p1 = (int(offsets.max()) + n * piece - 1) // self.width + 1
+        p1 = min(len(self.bounds), (int(offsets.max()) + n * piece - 1) // self.width + 1)
 
         def columns(first, last):  # pieces first .. last-1, this device's columns within
-            def cut(*got):
+            def cut(got):
                 got = got[first:last]
                 cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
                 start = (self.comm.pick(self.channel.offsets[k])
@@ -354,11 +361,33 @@ class ExchangeSource:
                 return dynamic_slice(cols, start, n * piece, 1)
             return cut
 
-        # On TPU only the pieces covering these columns on any device; elsewhere the one
-        # received buffer (its pieces end to end), sliced as before the pieces.
+        # On TPU only the pieces covering these columns on any device, exchanged here if
+        # no earlier load did; elsewhere the one received buffer (its pieces end to
+        # end), sliced as before the pieces.
         whole = columns(0, len(self.received))
-        raw = (whole(*self.received) if self.comm.size == 1 else platform_dependent(
-            *self.received, tpu=columns(p0, p1), default=whole))
+        if self.comm.size == 1:
+            raw = whole(self.received)
+        else:
+            new = [p for p in range(p0, p1) if p not in self.got]
+            have = [p for p in sorted(self.got) if p0 - 1 <= p < p1]
+            nf, nh = len(self.flat), len(have)
+
+            def tpu(*args):
+                flat, held = args[:nf], args[nf:nf + nh]
+                wait = args[-1] if prev is not None else None
+                got = self._exchange(p0, p1, flat, dict(zip(have, held)), wait)
+                raw = columns(p0, p1)([None] * p0 + [got[p] for p in range(p0, p1)])
+                return (after(raw, wait), *[got[p] for p in new])
+
+            def default(*args):
+                del args
+                return (whole(self.received), *[self.received[p] for p in new])
+
+            wait = prev if prev is not None else jnp.zeros((), self.dtype)
+            out = platform_dependent(*self.flat, *[self.got[p] for p in have], wait,
+                                     tpu=tpu, default=default)
+            raw = out[0]
+            self.got.update(zip(new, out[1:]))
         raw = raw.reshape(self.comm.size, n, piece)
 
         def assemble(i):  # the matrices as member i's layout puts them together
@@ -371,12 +400,25 @@ class ExchangeSource:
 
 
 class ExchangeSink:
-    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block."""
+    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block.
+
+    Elsewhere than on TPU every store goes into one ``(N, length)`` buffer sent by one
+    all-to-all once every stack has run. On TPU the columns are kept in pieces of
+    :func:`exchange_piece` elements a row, each sent as soon as the stores that can
+    write it are done, so neither the whole buffer nor every direction is alive across
+    the Muon loop. The same bytes travel.
+    """
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
-        self.owner, self.comm = owner, comm
+        self.owner, self.comm, self.dtype = owner, comm, dtype
         self.channel = owner.back[dtype]
         self.buffer = jnp.zeros((comm.size, self.channel.length), dtype)
+        length, width = self.channel.length, max(1, exchange_piece(owner))
+        self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
+        self.parts: dict[int, jax.Array] = {}   # TPU: pieces being written
+        self.stored: jax.Array | None = None       # TPU: the last store's result
+        self.got: dict[int, jax.Array] = {}     # TPU: pieces sent, as received
+        self.first_unsent = 0
 
     @staticmethod
     def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
@@ -395,17 +437,85 @@ class ExchangeSink:
 
         rows = _by_variant(sp, self.comm, j0, n, split, axis=1).reshape(self.comm.size, -1)
         start = self.comm.pick(self.channel.offsets[k]) + j0 * sp.route.block_size
+
+        def whole():
+            r = rows
+            if owned is not None:
+                r = jnp.where(owned, r, dynamic_slice(self.buffer, start, r.shape[1], 1))
+            return dynamic_update(self.buffer, r, start, 1)
+
+        if self.comm.size == 1:
+            self.buffer = whole()
+            return
+        # TPU: the rows go straight into the unsent pieces they may fall in on some
+        # device; the pieces complete after this store (on every device the next real
+        # write starts past them: stacks lie in the channel in order, slots in order
+        # within a stack, an unowned slot writes nothing) are sent.
+        size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
+        lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
+        touched = [p for p in range(self.first_unsent, len(self.bounds))
+                   if self.bounds[p][0] < hi and lo < self.bounds[p][1]]
+        nxt = int((offsets + np.minimum(j0 + n, np.asarray(sp.counts)) * size).min())
+        done = [p for p in range(self.first_unsent, len(self.bounds)) if self.bounds[p][1] <= nxt]
+        parts = {p: self.parts.get(p, self._zeros(p)) for p in touched + done}
+
+        def tpu():
+            new = dict(parts)
+            for p in touched:
+                new[p] = self._into(parts[p], rows, start, self.bounds[p][0], lo,
+                                    int(offsets.max()) + j0 * size, owned)
+            got = [self.comm.exchange(new[p]) for p in done]
+            last = got[-1] if got else new[touched[-1]] if touched else rows
+            return (self.buffer, last[:1, :1], *[new[p] for p in touched], *got)
+
+        def default():
+            return (whole(), self.buffer[:1, :1], *[parts[p] for p in touched],
+                    *[parts[p] for p in done])
+
+        out = platform_dependent(tpu=tpu, default=default)
+        self.buffer = out[0]
+        self.parts.update(zip(touched, out[2:2 + len(touched)]))
+        self.got.update(zip(done, out[2 + len(touched):]))
+        for p in done:
+            self.parts.pop(p, None)
+        self.stored = out[1]
+        self.first_unsent = max([self.first_unsent] + [p + 1 for p in done])
+
+    def _zeros(self, p: int) -> jax.Array:
+        c0, c1 = self.bounds[p]
+        return jnp.zeros((self.comm.size, c1 - c0), self.dtype)
+
+    @staticmethod
+    def _into(part: jax.Array, rows: jax.Array, start, c0: int, first: int, last: int,
+              owned: jax.Array | None) -> jax.Array:
+        """``part`` (columns ``c0 ..`` of the direction buffer) with whatever of ``rows``
+        (columns ``start ..`` on this device, ``first <= start <= last`` on every
+        device) falls in it. Only the columns of the rows that can fall in it on some
+        device are read, padded by the piece's width on each side, so that the window
+        read for the piece starts inside them wherever they overlap it (no clamped
+        read); columns outside the rows (or of a slot this device does not own) keep
+        the piece's values."""
+        length, width = rows.shape[1], part.shape[1]
+        a, b = max(0, c0 - last), min(length, c0 + width - first)
+        padded = jnp.pad(rows[:, a:b], ((0, 0), (width, width)))
+        window = dynamic_slice(padded, c0 - start - a + width, width, 1)
+        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
+        mask = (cols >= start) & (cols < start + length)
         if owned is not None:
-            rows = jnp.where(owned, rows, dynamic_slice(self.buffer, start, rows.shape[1], 1))
-        self.buffer = dynamic_update(self.buffer, rows, start, 1)
+            mask = mask & owned
+        return jnp.where(mask, window, part)
 
     def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         if self.comm.size == 1:
             return self._whole(self.buffer, local_shapes)
-        return platform_dependent(
-            self.buffer,
-            tpu=lambda b: self._by_pieces(b, local_shapes, exchange_piece(self.owner)),
-            default=lambda b: self._whole(b, local_shapes))
+
+        def tpu():
+            got = [self.got[p] if p in self.got
+                   else self.comm.exchange(self.parts.get(p, self._zeros(p)))
+                   for p in range(len(self.bounds))]
+            return self._from_pieces(got, local_shapes)
+
+        return platform_dependent(tpu=tpu, default=lambda: self._whole(self.buffer, local_shapes))
 
     def _whole(self, buffer: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         received, out = self.comm.exchange(buffer), {}
@@ -417,28 +527,17 @@ class ExchangeSink:
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
         return out
 
-    def _by_pieces(self, buffer: jax.Array, local_shapes: dict[int, tuple],
-                   piece: int) -> dict[int, jax.Array]:
-        """The back-buffer exchanged in column pieces of at most ``piece`` elements a row
-        (TPU), each once the previous one is in; a leaf is built once the pieces holding
-        its blocks are in, so the received blocks are not all alive at once."""
-        length, piece = self.channel.length, max(1, piece)
-        bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, max(length, 1), piece)]
-        ready: dict[int, list] = {}   # piece index -> the members it completes
+    def _from_pieces(self, got: list[jax.Array],
+                     local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        """Every leaf's blocks from the received column pieces (TPU), each leaf read from
+        the pieces holding its blocks only."""
+        out = {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
             size = sp.route.block_size
             for m, route, spans in zip(sp.stack.members, sp.routes,
                                        member_spans(self.channel, k, sp, size)):
-                last = max((at + size - 1) // piece for _, at in spans)
-                ready.setdefault(last, []).append((m, route, spans, size))
-        got, prev, out = [], None, {}
-        for p, (c0, c1) in enumerate(bounds):
-            prev = self.comm.exchange(after(jax.lax.slice_in_dim(buffer, c0, c1, axis=1),
-                                            prev))
-            got.append(prev)
-            for m, route, spans, size in ready.get(p, []):
-                y = jnp.stack([span(got, bounds, d, at, size) for d, at in spans])
+                y = jnp.stack([span(got, self.bounds, d, at, size) for d, at in spans])
                 out[m.index] = m.join_batch(y.reshape((m.batch,) + route.block_shape),
                                             local_shapes[m.index])
         return out
@@ -526,7 +625,13 @@ class Transports:
         return LOCAL if sp.transport == LOCAL else (sp.transport, sp.stack.dtype)
 
     def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        return scaled(self.sources[self._key(k)].load(k, j0, n, prev), self.scale)
+        key = self._key(k)
+        if key[0] == EXCHANGE and self.sinks[key].stored is not None:
+            # On TPU an exchange load waits for the last store (its direction cut into
+            # the holders' blocks, or the pieces it completed sent), so that no
+            # direction waits for the end of the Muon loop to be stored.
+            prev = self.sinks[key].stored
+        return scaled(self.sources[key].load(k, j0, n, prev), self.scale)
 
     def reduced_buffers(self) -> list[jax.Array]:
         """The reduce-scattered gradient shares (ZeRO-2): every Muon element in exactly

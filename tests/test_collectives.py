@@ -232,3 +232,67 @@ def test_large_reduce_scatter_in_pieces_equals_psum_scatter(shape, axis, budget,
     np.testing.assert_array_equal(np.asarray(split(x)), np.asarray(whole(x)))
     hlo = split.lower(x).compile().as_text()
     assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == pieces
+
+
+def _entry_deps(hlo: str) -> dict[str, tuple[str, set[str]]]:
+    """The entry computation of an optimized HLO text: per instruction, its opcode and
+    the instructions it reads."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    out = {}
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][\w\-]*)\((.*)$", line)
+        if m:
+            out[m.group(1)] = (m.group(2), set(re.findall(r"%([\w.\-]+)", m.group(3))))
+    return out
+
+
+def test_exchange_pieces_wait_for_the_stacks_before(monkeypatch):
+    """On TPU a piece of the forward exchange is sent just before the load that first
+    reads it: some forward all-to-alls wait for an earlier stack's polar loop (before,
+    every piece was received before the first stack ran)."""
+    width = 7
+    _, hlo, owner = _fsdp_step(monkeypatch, width)
+    deps = _entry_deps(hlo)
+
+    def waits_for_loop(name, seen):
+        for d in deps.get(name, ("", ()))[1]:
+            if d not in seen:
+                seen.add(d)
+                if deps.get(d, ("",))[0] in ("while", "conditional") or waits_for_loop(d, seen):
+                    return True
+        return False
+
+    exchanges = [n for n, (op, _) in deps.items() if op in ("all-to-all", "all-to-all-start")]
+    (ch,) = owner.exchange.values()
+    forward = -(-ch.length // width)
+    assert len(exchanges) > forward
+    free = [n for n in exchanges if not waits_for_loop(n, set())]
+    assert 0 < len(free) < forward
+
+
+def test_directions_sent_back_as_their_stacks_finish(monkeypatch):
+    """On TPU a piece of the directions goes back as soon as the stores that can write
+    it are done, before later stacks run: fewer all-to-alls than the back channel's
+    pieces are left for after the last Muon kernel (before, every piece waited for the
+    last store)."""
+    width = 7
+    _, hlo, owner = _fsdp_step(monkeypatch, width)
+    deps = _entry_deps(hlo)
+    users: dict[str, set[str]] = {}
+    for name, (_, reads) in deps.items():
+        for r in reads:
+            users.setdefault(r, set()).add(name)
+
+    def feeds_loop(name, seen):
+        for u in users.get(name, ()):
+            if u not in seen:
+                seen.add(u)
+                if deps[u][0] in ("while", "conditional") or feeds_loop(u, seen):
+                    return True
+        return False
+
+    exchanges = [n for n, (op, _) in deps.items() if op in ("all-to-all", "all-to-all-start")]
+    (back,) = owner.back.values()
+    after_last = [n for n in exchanges if not feeds_loop(n, set())]
+    assert 0 < len(after_last) < -(-back.length // width)
