@@ -153,15 +153,7 @@ class Collectives:
         result (each the size of every row together) are never whole at once. The same
         bytes travel; the sums are the same, element by element.
         """
-        sizes = [len(r) for r in rows]
-        flat = [x for r in rows for x in r]
-
-        def unflatten(flat):
-            out, at = [], 0
-            for n in sizes:
-                out.append(list(flat[at:at + n]))
-                at += n
-            return out
+        flat, unflatten = flat_rows(rows)
 
         def whole(*flat):
             packed = [row_slice(r, 0, length, dtype) for r in unflatten(flat)]
@@ -238,6 +230,22 @@ class Collectives:
             return jnp.asarray(x)
         n = x.shape[axis] // self.size
         return jax.lax.dynamic_slice_in_dim(jnp.asarray(x), self.index() * n, n, axis)
+
+
+def flat_rows(rows: list[list[jax.Array]]) -> tuple[list[jax.Array], Any]:
+    """``rows`` (per device, a list of 1-D arrays) as one flat list, the operands
+    ``lax.platform_dependent`` takes, and the function that puts such a list back into
+    rows of the same lengths."""
+    sizes = [len(r) for r in rows]
+
+    def unflatten(flat) -> list[list[jax.Array]]:
+        out, at = [], 0
+        for n in sizes:
+            out.append(list(flat[at:at + n]))
+            at += n
+        return out
+
+    return [x for r in rows for x in r], unflatten
 
 
 def row_slice(parts: list[jax.Array], c0: int, c1: int, dtype: Any) -> jax.Array:

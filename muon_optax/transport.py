@@ -1,14 +1,14 @@
 """Moving Muon matrices to their owners and their directions back (see :mod:`plan`).
 
 Each stack reads its owned matrices through a *source* and writes their directions into
-a *sink*; the sinks' buffers travel back in one collective per channel after every stack
-has run. One source and one sink per transport (the :class:`Source` and :class:`Sink`
-protocols):
+a *sink*, from which every device gets its leaves' directions back. One source and one
+sink per transport (the :class:`Source` and :class:`Sink` protocols):
 
 - gather:   flat device-major buffer -> reduce-scatter (or this device's own slice of
             already reduced gradients) ... directions -> flat share -> all-gather;
 - exchange: equal pieces of every matrix -> all-to-all -> reassembled on the owner ...
-            directions cut into the holders' blocks -> all-to-all -> each holder's block;
+            directions cut into the holders' blocks -> all-to-all -> each holder's block
+            (:mod:`muon_optax.exchange`);
 - local:    the device's own matrices, read and written in place.
 
 All positions are static (from the plan) or, where they depend on the device, read from
@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muon_optax.exchange import ExchangeSink, ExchangeSource
 from muon_optax.guard import scaled
 from muon_optax.layout import MatrixLeaf
 from muon_optax.order import after
-from muon_optax.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan, StackPlan
+from muon_optax.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan
 from muon_optax.rows import (
-    device_rows,
     dynamic_slice,
     dynamic_update,
     member_rows,
@@ -37,9 +37,8 @@ from muon_optax.rows import (
     member_spans,
     owned_parts,
     span,
-    take_static,
 )
-from muon_optax.sharding import Collectives, row_slice
+from muon_optax.sharding import Collectives
 
 # The TPU form where it differs (column pieces), chosen at lowering; a module name so
 # that tests can run that form on XLA:CPU.
@@ -208,338 +207,6 @@ class GatherSink:
             for st, m, spans, size in ready.get(p, []):
                 rows = jnp.stack([span(got, bounds, d, at, size) for d, at in spans])
                 out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
-        return out
-
-
-# ------------------------------------------------------------------ exchange transport
-
-
-def exchange_piece(owner: OwnerPlan) -> int:
-    """Elements of each row in one piece of an exchange transport's all-to-all where it
-    goes in pieces (TPU): half a largest holder's block, so a piece of every row
-    together holds about half a largest Muon matrix. Measured on the TPU compiler (FSDP,
-    v5p:8): half a block left fewer temporaries than a whole, a quarter or 3/8 of one."""
-    return max([1] + [sp.route.block_size for sp in owner.stacks
-                      if sp.transport == EXCHANGE]) // 2 or 1
-
-
-def _grid_to_matrix(route, x: jax.Array) -> jax.Array:
-    """``(n, blocks, block_size)`` (blocks row-major over the grid) -> ``(n, *mshape)``."""
-    n, g, b = x.shape[0], route.grid, route.block_shape
-    x = x.reshape((n,) + g + b)
-    dims = len(g)
-    perm = (0,) + tuple(a for i in range(dims) for a in (1 + i, 1 + dims + i))
-    return jnp.transpose(x, perm).reshape((n,) + route.mshape)
-
-
-def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
-    """Inverse of :func:`_grid_to_matrix`."""
-    n, g, b = x.shape[0], route.grid, route.block_shape
-    x = x.reshape((n,) + tuple(v for pair in zip(g, b) for v in pair))
-    dims = len(g)
-    perm = (0,) + tuple(1 + 2 * i for i in range(dims)) + tuple(2 + 2 * i for i in range(dims))
-    return jnp.transpose(x, perm).reshape(n, math.prod(g), route.block_size)
-
-
-def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
-    """``fn(member)`` for slots ``j0 .. j0+n`` along ``axis``, where members of the stack
-    are laid out differently: each layout's result, picked per slot (the device's own
-    table row). One layout: just its result.
-
-    Why variants rather than the layout in the stack's signature: leaves of one stored
-    shape split differently (a Flax kernel and a PyTorch-layout one, one split on rows
-    and one on columns) share one stack: one batched polar program and one balance over
-    the devices. Split apart, each part is balanced on its own and may leave a remainder
-    slot (a ``lax.cond``) on some devices. The price is a reshape per variant of the
-    received pieces: memory traffic of the gradient's size, no matmul.
-    """
-    reps, table = sp.variants()
-    if len(reps) == 1:
-        return fn(reps[0])
-    mine = jnp.asarray(comm.pick(table))[j0:j0 + n]
-    shape = [1] * (axis + 1)
-    shape[axis] = n
-    out = fn(reps[0])
-    for v, i in enumerate(reps[1:], start=1):
-        out = jnp.where((mine == v).reshape(shape + [1] * (out.ndim - axis - 1)), fn(i), out)
-    return out
-
-
-class ExchangeSource:
-    """Owned matrices of the ``"exchange"`` stacks of one dtype, by one all-to-all.
-
-    Every device cuts its block of each matrix into ``replicas`` equal sub-pieces and
-    sends its owner the one matching its place among the block's holders, so all sources
-    send the same number of elements per matrix and the owner reassembles by a fixed
-    permutation.
-    """
-
-    def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
-                 comm: Collectives):
-        self.owner, self.comm = owner, comm
-        self.channel = owner.exchange[dtype]
-        n, length = comm.size, self.channel.length
-        parts: list[list[jax.Array]] = [[] for _ in range(n)]
-        for k in self.channel.stacks:
-            sp = self.owner.stacks[k]
-            owned_parts(sp, self._pieces(sp, leaves), parts)
-        self.width = max(1, exchange_piece(owner))
-        self.bounds = [(c0, min(length, c0 + self.width))
-                       for c0 in range(0, max(length, 1), self.width)]
-        sizes = [len(r) for r in parts]
-        flat = [x for r in parts for x in r]
-
-        def unflatten(flat):
-            out, at = [], 0
-            for size in sizes:
-                out.append(list(flat[at:at + size]))
-                at += size
-            return out
-
-        def whole(*flat):
-            got = comm.exchange(jnp.stack(device_rows(unflatten(flat), length, dtype)))
-            return [jax.lax.slice_in_dim(got, c0, c1, axis=1) for c0, c1 in self.bounds]
-
-        def none_yet(*flat):   # TPU: each piece is exchanged by the load that first needs it
-            del flat
-            return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
-
-        self.dtype, self.flat, self.unflatten = dtype, flat, unflatten
-        self.got: dict[int, jax.Array] = {}   # piece -> received (TPU: exchanged in load)
-        if comm.size == 1:
-            self.received = whole(*flat)
-        else:
-            self.received = platform_dependent(*flat, tpu=none_yet, default=whole)
-
-    def _exchange(self, first: int, last: int, flat, got: dict, prev) -> dict:
-        """Pieces ``first .. last-1`` not yet in ``got``, each exchanged (TPU): packed
-        once ``prev`` (the previous stack's direction) and the previous piece are in, so
-        that a piece is received just before the load that first reads it, not all of
-        them before the first stack runs. The same bytes travel."""
-        rows, got = self.unflatten(flat), dict(got)
-        for p in range(first, last):
-            if p in got:
-                continue
-            c0, c1 = self.bounds[p]
-            packed = jnp.stack([row_slice(r, c0, c1, self.dtype) for r in rows])
-            got[p] = self.comm.exchange(after(after(packed, got.get(p - 1)), prev))
-        return got
-
-    @staticmethod
-    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
-        """Bytes one device sends: an all-to-all of its ``(N, length)`` pieces, all but
-        its own row."""
-        return ((owner.num_devices - 1) * owner.exchange[dtype].length
-                * np.dtype(dtype).itemsize)
-
-    def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> list[jax.Array]:
-        """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
-        out = []
-        for m, route in zip(sp.stack.members, sp.routes):
-            blocks = m.split_batch(leaves[m.index]).reshape(m.batch, route.block_size)
-            padded = route.replicas * route.piece
-            if padded > route.block_size:
-                blocks = jnp.pad(blocks, ((0, 0), (0, padded - route.block_size)))
-            blocks = blocks.reshape(m.batch, route.replicas, route.piece)
-            j = self.comm.pick(np.asarray(route.replica_of))
-            out.append(dynamic_slice(blocks, j, 1, 1)[:, 0])
-        return out
-
-    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        sp = self.owner.stacks[k]
-        piece = sp.route.piece
-        offsets = np.asarray(self.channel.offsets[k]) + j0 * piece
-        p0 = int(offsets.min()) // self.width
-        p1 = min(len(self.bounds), (int(offsets.max()) + n * piece - 1) // self.width + 1)
-
-        def columns(first, last):  # pieces first .. last-1, this device's columns within
-            def cut(got):
-                got = got[first:last]
-                cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
-                start = (self.comm.pick(self.channel.offsets[k])
-                         + (j0 * piece - first * self.width))
-                return dynamic_slice(cols, start, n * piece, 1)
-            return cut
-
-        # On TPU only the pieces covering these columns on any device, exchanged here if
-        # no earlier load did; elsewhere the one received buffer (its pieces end to
-        # end), sliced as before the pieces.
-        whole = columns(0, len(self.received))
-        if self.comm.size == 1:
-            raw = whole(self.received)
-        else:
-            new = [p for p in range(p0, p1) if p not in self.got]
-            have = [p for p in sorted(self.got) if p0 - 1 <= p < p1]
-            nf, nh = len(self.flat), len(have)
-
-            def tpu(*args):
-                flat, held = args[:nf], args[nf:nf + nh]
-                wait = args[-1] if prev is not None else None
-                got = self._exchange(p0, p1, flat, dict(zip(have, held)), wait)
-                raw = columns(p0, p1)([None] * p0 + [got[p] for p in range(p0, p1)])
-                return (after(raw, wait), *[got[p] for p in new])
-
-            def default(*args):
-                del args
-                return (whole(self.received), *[self.received[p] for p in new])
-
-            wait = prev if prev is not None else jnp.zeros((), self.dtype)
-            out = platform_dependent(*self.flat, *[self.got[p] for p in have], wait,
-                                     tpu=tpu, default=default)
-            raw = out[0]
-            self.got.update(zip(new, out[1:]))
-        raw = raw.reshape(self.comm.size, n, piece)
-
-        def assemble(i):  # the matrices as member i's layout puts them together
-            route, member = sp.routes[i], sp.stack.members[i]
-            x = jnp.transpose(take_static(raw, route.source_order), (1, 0, 2))
-            x = x.reshape(n, math.prod(route.grid), -1)[:, :, :route.block_size]
-            return member.matrix_to_stored(_grid_to_matrix(route, x))
-
-        return _by_variant(sp, self.comm, j0, n, assemble, axis=0)
-
-
-class ExchangeSink:
-    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block.
-
-    Elsewhere than on TPU every store goes into one ``(N, length)`` buffer sent by one
-    all-to-all once every stack has run. On TPU the columns are kept in pieces of
-    :func:`exchange_piece` elements a row, each sent as soon as the stores that can
-    write it are done, so neither the whole buffer nor every direction is alive across
-    the Muon loop. The same bytes travel.
-    """
-
-    def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
-        self.owner, self.comm, self.dtype = owner, comm, dtype
-        self.channel = owner.back[dtype]
-        self.buffer = jnp.zeros((comm.size, self.channel.length), dtype)
-        length, width = self.channel.length, max(1, exchange_piece(owner))
-        self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
-        self.parts: dict[int, jax.Array] = {}   # TPU: pieces being written
-        self.stored: jax.Array | None = None       # TPU: the last store's result
-        self.got: dict[int, jax.Array] = {}     # TPU: pieces sent, as received
-        self.first_unsent = 0
-
-    @staticmethod
-    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
-        """Bytes one device sends: the all-to-all of the holders' blocks back."""
-        return ((owner.num_devices - 1) * owner.back[dtype].length
-                * np.dtype(dtype).itemsize)
-
-    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
-        sp = self.owner.stacks[k]
-        n = o.shape[0]
-
-        def split(i):  # (N, n, block): each holder's block, as member i's layout splits
-            route, member = sp.routes[i], sp.stack.members[i]
-            blocks = _matrix_to_grid(route, member.stored_to_matrix(o))
-            return jnp.transpose(take_static(blocks, np.asarray(route.block_of), axis=1), (1, 0, 2))
-
-        rows = _by_variant(sp, self.comm, j0, n, split, axis=1).reshape(self.comm.size, -1)
-        start = self.comm.pick(self.channel.offsets[k]) + j0 * sp.route.block_size
-
-        def whole():
-            r = rows
-            if owned is not None:
-                r = jnp.where(owned, r, dynamic_slice(self.buffer, start, r.shape[1], 1))
-            return dynamic_update(self.buffer, r, start, 1)
-
-        if self.comm.size == 1:
-            self.buffer = whole()
-            return
-        # TPU: the rows go straight into the unsent pieces they may fall in on some
-        # device; the pieces complete after this store (on every device the next real
-        # write starts past them: stacks lie in the channel in order, slots in order
-        # within a stack, an unowned slot writes nothing) are sent.
-        size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
-        lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
-        touched = [p for p in range(self.first_unsent, len(self.bounds))
-                   if self.bounds[p][0] < hi and lo < self.bounds[p][1]]
-        nxt = int((offsets + np.minimum(j0 + n, np.asarray(sp.counts)) * size).min())
-        done = [p for p in range(self.first_unsent, len(self.bounds)) if self.bounds[p][1] <= nxt]
-        parts = {p: self.parts.get(p, self._zeros(p)) for p in touched + done}
-
-        def tpu():
-            new = dict(parts)
-            for p in touched:
-                new[p] = self._into(parts[p], rows, start, self.bounds[p][0], lo,
-                                    int(offsets.max()) + j0 * size, owned)
-            got = [self.comm.exchange(new[p]) for p in done]
-            last = got[-1] if got else new[touched[-1]] if touched else rows
-            return (self.buffer, last[:1, :1], *[new[p] for p in touched], *got)
-
-        def default():
-            return (whole(), self.buffer[:1, :1], *[parts[p] for p in touched],
-                    *[parts[p] for p in done])
-
-        out = platform_dependent(tpu=tpu, default=default)
-        self.buffer = out[0]
-        self.parts.update(zip(touched, out[2:2 + len(touched)]))
-        self.got.update(zip(done, out[2 + len(touched):]))
-        for p in done:
-            self.parts.pop(p, None)
-        self.stored = out[1]
-        self.first_unsent = max([self.first_unsent] + [p + 1 for p in done])
-
-    def _zeros(self, p: int) -> jax.Array:
-        c0, c1 = self.bounds[p]
-        return jnp.zeros((self.comm.size, c1 - c0), self.dtype)
-
-    @staticmethod
-    def _into(part: jax.Array, rows: jax.Array, start, c0: int, first: int, last: int,
-              owned: jax.Array | None) -> jax.Array:
-        """``part`` (columns ``c0 ..`` of the direction buffer) with whatever of ``rows``
-        (columns ``start ..`` on this device, ``first <= start <= last`` on every
-        device) falls in it. Only the columns of the rows that can fall in it on some
-        device are read, padded by the piece's width on each side, so that the window
-        read for the piece starts inside them wherever they overlap it (no clamped
-        read); columns outside the rows (or of a slot this device does not own) keep
-        the piece's values."""
-        length, width = rows.shape[1], part.shape[1]
-        a, b = max(0, c0 - last), min(length, c0 + width - first)
-        padded = jnp.pad(rows[:, a:b], ((0, 0), (width, width)))
-        window = dynamic_slice(padded, c0 - start - a + width, width, 1)
-        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
-        mask = (cols >= start) & (cols < start + length)
-        if owned is not None:
-            mask = mask & owned
-        return jnp.where(mask, window, part)
-
-    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
-        if self.comm.size == 1:
-            return self._whole(self.buffer, local_shapes)
-
-        def tpu():
-            got = [self.got[p] if p in self.got
-                   else self.comm.exchange(self.parts.get(p, self._zeros(p)))
-                   for p in range(len(self.bounds))]
-            return self._from_pieces(got, local_shapes)
-
-        return platform_dependent(tpu=tpu, default=lambda: self._whole(self.buffer, local_shapes))
-
-    def _whole(self, buffer: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
-        received, out = self.comm.exchange(buffer), {}
-        for k in self.channel.stacks:
-            sp = self.owner.stacks[k]
-            rows = member_rows(received, self.channel, k, sp, sp.route.block_size)
-            for m, route, r in zip(sp.stack.members, sp.routes, rows):
-                y = r.reshape((m.batch,) + route.block_shape)
-                out[m.index] = m.join_batch(y, local_shapes[m.index])
-        return out
-
-    def _from_pieces(self, got: list[jax.Array],
-                     local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
-        """Every leaf's blocks from the received column pieces (TPU), each leaf read from
-        the pieces holding its blocks only."""
-        out = {}
-        for k in self.channel.stacks:
-            sp = self.owner.stacks[k]
-            size = sp.route.block_size
-            for m, route, spans in zip(sp.stack.members, sp.routes,
-                                       member_spans(self.channel, k, sp, size)):
-                y = jnp.stack([span(got, self.bounds, d, at, size) for d, at in spans])
-                out[m.index] = m.join_batch(y.reshape((m.batch,) + route.block_shape),
-                                            local_shapes[m.index])
         return out
 
 

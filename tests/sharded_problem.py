@@ -165,6 +165,30 @@ def make_tx(axis_name="data"):
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
+def jit_steps(tx, mesh, specs, n, steps=2):
+    """``steps`` steps of ``tx`` (update + apply) under jit on ``mesh``, params and
+    gradients placed by ``specs`` (a tree of PartitionSpecs like the params), every
+    device given the same gradient (the mean of ``n`` devices'): the params and state
+    after each step (numpy), the jitted step and its last arguments."""
+    from jax.sharding import NamedSharding
+
+    def put(tree):
+        return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+    def apply(p, st, g):
+        u, st = tx.update(g, st, p)
+        return optax.apply_updates(p, u), st
+
+    step = jax.jit(apply, compiler_options=FAST_COMPILE)
+    p = put(make_params())
+    state, out = jax.jit(tx.init)(p), []
+    for s in range(steps):
+        g = put(mean_grads(device_grads(s, range(n)), np.float32))
+        p, state = step(p, state, g)
+        out.append(jax.tree.map(np.asarray, (p, state)))
+    return out, step, (p, state, g)
+
+
 class Sharded(NamedTuple):
     mesh: jax.sharding.Mesh
     init: Callable          # params -> sharded state

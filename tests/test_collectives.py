@@ -129,44 +129,29 @@ def _fsdp_step(monkeypatch, width):
     """Two FSDP (mesh=) steps on 4 devices and the compiled step's text; ``width``: the
     exchange transport forced into column pieces of that many elements (as on TPU), or
     None for the form XLA:CPU lowers."""
-    import optax
 
     import muon_optax
-    from muon_optax import transport
+    from muon_optax import exchange, transport
 
     try:
         from . import sharded_problem as sp
     except ImportError:
         import sharded_problem as sp
 
-    if width is not None:
-        monkeypatch.setattr(transport, "platform_dependent",
-                            lambda *args, tpu, default: tpu(*args))
-        monkeypatch.setattr(transport, "exchange_piece", lambda owner: width)
+    if width is not None:   # every transport in its TPU form (FSDP's gather stacks too)
+        for module in (exchange, transport):
+            monkeypatch.setattr(module, "platform_dependent",
+                                lambda *args, tpu, default: tpu(*args))
+        monkeypatch.setattr(exchange, "exchange_piece", lambda owner: width)
     n = 4
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:n])
     params = sp.make_params()
-    specs = sp.fsdp_specs(params, n)
     tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS,
                                axis_name="data", mesh=mesh)
-
-    def put(tree):
-        return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
-
-    def apply(p, st, g):
-        u, st = tx.update(g, st, p)
-        return optax.apply_updates(p, u), st
-
-    step = jax.jit(apply, compiler_options=sp.FAST_COMPILE)
-    p, state = put(params), jax.jit(tx.init)(put(params))
-    out = []
-    for s in range(2):
-        g = put(sp.mean_grads(sp.device_grads(s, range(n)), np.float32))
-        p, state = step(p, state, g)
-        out.append(jax.tree.map(np.asarray, p))
-    owner = tx.init.plan(put(params)).owner
-    return out, step.lower(p, state, g).compile().as_text(), owner
+    out, step, args = sp.jit_steps(tx, mesh, sp.fsdp_specs(params, n), n)
+    return ([p for p, _ in out], step.lower(*args).compile().as_text(),
+            tx.init.plan(args[0]).owner)
 
 
 @pytest.mark.parametrize("width", [7, 10**6])

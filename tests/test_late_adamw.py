@@ -7,9 +7,8 @@ import re
 
 import jax
 import numpy as np
-import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import muon_optax
@@ -33,25 +32,11 @@ def _steps(monkeypatch, tpu: bool):
                             lambda *args, tpu, default: tpu(*args))
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:N])
-    params = sp.make_params()
     tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS,
                                axis_name="data", mesh=mesh)
-
-    def put(tree):
-        return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), tree)
-
-    def apply(p, st, g):
-        u, st = tx.update(g, st, p)
-        return optax.apply_updates(p, u), st
-
-    step = jax.jit(apply, compiler_options=sp.FAST_COMPILE)
-    p, state = put(params), jax.jit(tx.init)(put(params))
-    out = []
-    for s in range(2):
-        g = put(sp.mean_grads(sp.device_grads(s, range(N)), np.float32))
-        p, state = step(p, state, g)
-        out.append(jax.tree.map(np.asarray, (p, state)))
-    return out, step.lower(p, state, g).as_text(), tx.init.plan(p)
+    specs = jax.tree.map(lambda _: P(), sp.make_params())
+    out, step, args = sp.jit_steps(tx, mesh, specs, N)
+    return out, step.lower(*args).as_text(), tx.init.plan(args[0])
 
 
 def test_split_adamw_leaves_wait_for_the_muon_phase_on_tpu(monkeypatch):

@@ -123,7 +123,7 @@ def test_one_chip_kernels_do_not_grow_with_layers(chips, monkeypatch):
 def test_fsdp_moves_muon_matrices_by_all_to_all_and_gathers_none(chips):
     params, hlo, ops = compile_step("fsdp", chips)
     assert set(ops) == {"all-to-all"}, ops      # to the owners and back, nothing else
-    # On TPU each way goes in column pieces (transport.exchange_piece): at least one each.
+    # On TPU each way goes in column pieces (exchange.exchange_piece): at least one each.
     assert ops["all-to-all"]["count"] >= 2, ops
     assert not gathered_shapes(hlo) & muon_shapes(params)
     assert_polar_loop(hlo)
