@@ -238,7 +238,7 @@ def _late_adamw(plan: TreePlan, comm: Collectives) -> tuple:
 
 
 def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
-                      leaves, state, scale, updates: list, muon) -> tuple[Any, Any]:
+                      leaves, state, scale, updates: list, muon) -> tuple[Any, Any, Any]:
     """:func:`_adamw_grads` and :func:`_adamw_phase` for the ``late`` leaves, once the
     Muon phase is through. On TPU their inputs pass an optimization barrier with the Muon
     phase's results: the compiler otherwise steps them first and may start the gather of
@@ -249,16 +249,22 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
     mu, nu = (plan.treedef.flatten_up_to(x) for x in state)
     ins = [(g_leaves[a.index], None if p_leaves is None else p_leaves[a.index],
             mu[a.index], nu[a.index]) for a in late]
+    # The Muon results pass the barrier too and are taken from its outputs: a barrier
+    # output nobody reads may be pruned, and with it the ordering (the last directions
+    # sent back after the gathers).
     tied = ([updates[m.index] for m in plan.muon], muon)
-    ins = platform_dependent(ins, tied, default=lambda ins, tied: ins,
-                             tpu=lambda ins, tied: jax.lax.optimization_barrier((ins, tied))[0])
+    ins, (muon_updates, muon) = platform_dependent(
+        ins, tied, default=lambda ins, tied: (ins, tied),
+        tpu=lambda ins, tied: jax.lax.optimization_barrier((ins, tied)))
+    for m, u in zip(plan.muon, muon_updates):
+        updates[m.index] = u
     for a, (g, p, m, v) in zip(late, ins):
         g = scaled(comm.mean_scatter(pad_to(g, a.padded), a.axis), scale)
         p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
         u, mu[a.index], nu[a.index] = adamw_leaf_update(g, p, m, v, t, hps[a.group],
                                                         cfg=opts.configs[a.group])
         updates[a.index] = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
-    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
+    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon
 
 
 def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads: dict,
@@ -463,8 +469,9 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
         muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, g_view,
                                  p_view, state, updates)
     if late:
-        mu, nu = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
-                                   (g_leaves, p_leaves), (mu, nu), stats.scale, updates, muon)
+        mu, nu, muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
+                                         (g_leaves, p_leaves), (mu, nu), stats.scale,
+                                         updates, muon)
     for m in plan.muon:   # from the block views back to the leaves
         updates[m.index] = updates[m.index].reshape(g_leaves[m.index].shape)
     new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped,
