@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import muon_optax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from muon_optax import MuonDimensionNumbers as D  # noqa: E402
-from muon_optax.plan import matrix_flops  # noqa: E402
+from muon_optax.plan.plan import matrix_flops  # noqa: E402
 
 ATTENTION_OUT = ("c_q", "c_k", "c_v")     # (d, heads * head_dim): heads on the output side
 

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 import muon_optax
-import muon_optax.polar
+import muon_optax.rule.polar
 
 MB = 2**20
 
@@ -171,14 +171,14 @@ def stack_rows(tx: optax.GradientTransformation, params: Any, num_devices: int =
     """muon_optax's Muon stacks with their polar FLOPs: per stack ``(K, R, C)`` (K padded
     to a multiple of ``num_devices``), the form ``polar_method="auto"`` runs in
     ``compute_dtype``, its FLOPs over all K slots and the rule's direct-form FLOPs."""
-    dtype = compute_dtype or muon_optax.polar.default_compute_dtype()
+    dtype = compute_dtype or muon_optax.rule.polar.default_compute_dtype()
     rows = []
     for s in tx.init.stack_info(params, num_devices=num_devices):
         (r, c), k = s["shape"], s["padded"]
-        method = muon_optax.polar.choose_method(r, c, 5, "auto", dtype)
+        method = muon_optax.rule.polar.choose_method(r, c, 5, "auto", dtype)
         rows.append(dict(stack=(k, r, c), size=s["size"], method=method,
-                         flops=k * muon_optax.polar.polar_flops(r, c, 5, method),
-                         direct=k * muon_optax.polar.polar_flops(r, c, 5, "direct"),
+                         flops=k * muon_optax.rule.polar.polar_flops(r, c, 5, method),
+                         direct=k * muon_optax.rule.polar.polar_flops(r, c, 5, "direct"),
                          grad_bytes=s["size"] * r * c * np.dtype(s["dtype"]).itemsize))
     return rows
 
@@ -235,9 +235,9 @@ def stack_costs(tx: optax.GradientTransformation, params: Any,
     """Per kind of matrix in ``tx``'s plan for ``n`` devices, the costliest first: its
     stored shape (sorted), matrix count, and one matrix's FLOPs and state elements
     (momentum + NorMuon moment), as the owner plan counts them
-    (``muon_optax.plan.matrix_flops``). Stacks of transposed shapes (an MLP's ``c_fc``
+    (``muon_optax.plan.plan.matrix_flops``). Stacks of transposed shapes (an MLP's ``c_fc``
     and ``c_proj``, each stored as laid out) cost the same and count as one kind."""
-    from muon_optax.plan import matrix_flops
+    from muon_optax.plan.plan import matrix_flops
 
     kinds: dict[tuple, int] = {}
     for sp in tx.init.plan(params, n).owner.stacks:

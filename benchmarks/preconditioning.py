@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muon_optax.polar import (  # noqa: E402
+from muon_optax.rule.polar import (  # noqa: E402
     POLAR_EXPRESS_COEFFS,
     QUINTIC_COEFFS,
     polar_flops,

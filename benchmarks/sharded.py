@@ -45,7 +45,7 @@ Its temporaries and step time are the real (scanned) program's.
 state bytes must agree exactly (printed: "equal").
 
 **Balance** (no devices: ``muon_optax.estimate`` and the plan's cost model,
-``muon_optax.plan.matrix_flops``): nanochat d12, d20, d26, d32 (width 64 x depth, block
+``muon_optax.plan.plan.matrix_flops``): nanochat d12, d20, d26, d32 (width 64 x depth, block
 matrices only) at N = 8 ... 256, the busiest device's Muon FLOPs and Muon state over the
 exact whole-matrix optimum (``common.exact_optimum``), for muon_optax's owner plan, per-
 stack padding (each device ``ceil(K/N)`` slots of every stack) and nanochat's per-group

@@ -1,7 +1,7 @@
 """One device: Muon state in flat per-stack buffers (the engine's) or one array per leaf
 (optax's layout, mirroring the params)? The same kernel either way, timed interleaved.
 
-``flat`` is the engine's one-device Muon phase (:func:`muon_optax.single.muon_phase`):
+``flat`` is the engine's one-device Muon phase (:func:`muon_optax.step.one_device.muon_phase`):
 the kernel updates each stack's momentum in its own buffer, in place. ``per_leaf`` runs
 the same kernel on state kept per leaf: stacked before the kernel, split after. Both
 jitted with the state donated; ``full_step`` (the whole ``tx.update``) gives the scale.
@@ -22,9 +22,9 @@ import numpy as np
 
 import muon_optax
 from benchmarks import common
-from muon_optax import single
-from muon_optax.muon import MuonStackState, muon_step
-from muon_optax.order import after
+from muon_optax.rule.muon import MuonStackState, muon_step
+from muon_optax.rule.order import after
+from muon_optax.step import one_device as single
 
 
 def per_leaf_phase(plan, configs, count, mom, sec, g_leaves, p_leaves):

@@ -7,19 +7,19 @@
 See the README for the mapping from nanochat's ``param_groups``.
 """
 
-from muon_optax.contrib import contrib_muon
-from muon_optax.describe import describe
-from muon_optax.dimension_numbers import MuonDimensionNumbers
-from muon_optax.engine import MuonAdamWState, MuonBuffers
-from muon_optax.estimate import estimate
-from muon_optax.hparams import current_hyperparams
-from muon_optax.labels import label_by_path, path_str
-from muon_optax.optimizer import adamw, muon, muon_adamw
-from muon_optax.polar import POLAR_EXPRESS_COEFFS, orthogonalize
-from muon_optax.portable import export_state, import_state
-from muon_optax.sharding import state_specs
-from muon_optax.torch_muon import torch_muon
-from muon_optax.variables import load_nnx_optimizer_state
+from muon_optax.api.contrib import contrib_muon
+from muon_optax.api.optimizer import adamw, muon, muon_adamw
+from muon_optax.api.torch_muon import torch_muon
+from muon_optax.params.dimension_numbers import MuonDimensionNumbers
+from muon_optax.params.labels import label_by_path, path_str
+from muon_optax.params.variables import load_nnx_optimizer_state
+from muon_optax.plan.specs import state_specs
+from muon_optax.rule.hparams import current_hyperparams
+from muon_optax.rule.polar import POLAR_EXPRESS_COEFFS, orthogonalize
+from muon_optax.state.portable import export_state, import_state
+from muon_optax.step.engine import MuonAdamWState, MuonBuffers
+from muon_optax.tools.describe import describe
+from muon_optax.tools.estimate import estimate
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""AdamW's leaf math (muon_optax/adamw.py): bf16 parameters rounded once, and optax's
+"""AdamW's leaf math (muon_optax/rule/adamw.py): bf16 parameters rounded once, and optax's
 Adam options (eps_root, Nesterov, mu_dtype) against optax.adamw."""
 
 import jax
@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from muon_optax.adamw import adamw_hparams, adamw_leaf_update, update_in_param_dtype
-from muon_optax.hparams import AdamWConfig
+from muon_optax.rule.adamw import adamw_hparams, adamw_leaf_update, update_in_param_dtype
+from muon_optax.rule.hparams import AdamWConfig
 
 try:
     from . import reference as ref

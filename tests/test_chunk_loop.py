@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import muon_optax
-from muon_optax import single
+from muon_optax.step import one_device as single
 
 
 def _params(layers, d=16, dtype=jnp.float32):

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax.sharding import Collectives, row_slice
+from muon_optax.plan.specs import Collectives, row_slice
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -91,7 +91,7 @@ def test_directions_gathered_in_pieces_equal_the_whole_gather(piece):
     bit for bit, matrices cut across pieces and a scanned leaf's matrices on several
     devices included; one all-gather per piece."""
     import muon_optax
-    from muon_optax.transport import GatherSink
+    from muon_optax.step.transport import GatherSink
 
     try:
         from . import sharded_problem as sp
@@ -131,7 +131,7 @@ def _fsdp_step(monkeypatch, width):
     None for the form XLA:CPU lowers."""
 
     import muon_optax
-    from muon_optax import exchange, transport
+    from muon_optax.step import exchange, transport
 
     try:
         from . import sharded_problem as sp
@@ -176,7 +176,7 @@ def test_scatter_pieces_narrow_with_more_devices():
     ``PIECE_MATRICES`` devices and that many matrices in all beyond (on a 64-chip v5p
     a row is about one largest matrix: whole-row pieces were the whole buffer)."""
     import muon_optax
-    from muon_optax import transport
+    from muon_optax.step import transport
 
     try:
         from . import sharded_problem as sp

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices"
 def _steps_written_out(monkeypatch):
     # XLA's cost analysis counts a loop's body once: the polar iteration is written out
     # here so that the compiled FLOPs count each of its steps, as estimate does.
-    monkeypatch.setattr(muon_optax.polar, "UNROLL_STEPS", True)
+    monkeypatch.setattr(muon_optax.rule.polar, "UNROLL_STEPS", True)
 
 
 def _bytes_per_device(tree, mesh):

@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import muon_optax
-from muon_optax import engine
+from muon_optax.step import engine
 
 try:
     from . import sharded_problem as sp

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from muon_optax import MuonDimensionNumbers as MDN
-from muon_optax.layout import matrix_leaf, normuon_reduces_rows
-from muon_optax.muon import normuon_axis
+from muon_optax.params.layout import matrix_leaf, normuon_reduces_rows
+from muon_optax.rule.muon import normuon_axis
 
 
 def _ops(fn, x):

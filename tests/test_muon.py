@@ -1,4 +1,4 @@
-"""The Muon step's arithmetic (muon_optax/muon.py): in the dtypes accelerators use, and
+"""The Muon step's arithmetic (muon_optax/rule/muon.py): in the dtypes accelerators use, and
 its pieces (momentum variants, adaptive scaling, lr scales, decoupled decay).
 
 The options of nanochat's rule (``muon``/``muon_adamw`` groups) run against the float64
@@ -18,7 +18,7 @@ import pytest
 
 import muon_optax
 from muon_optax import MuonDimensionNumbers, polar
-from muon_optax.hparams import MuonConfig
+from muon_optax.rule.hparams import MuonConfig
 
 try:
     from . import reference as ref
@@ -124,7 +124,7 @@ def test_bf16_compute_step_against_float64_rule_and_torch_peer(shape, monkeypatc
 def test_cautious_update_rounds_bf16_params_once(p_std, lr):
     from test_adamw import assert_rounded_once, rounded_once, to64
 
-    from muon_optax.muon import cautious_update
+    from muon_optax.rule.muon import cautious_update
 
     # Before: 3.7% (p_std 0.02) and 3.2% (p_std 0.5) of these elements one ulp off.
     keys = jax.random.split(jax.random.PRNGKey(0), 2)

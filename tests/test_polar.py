@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from muon_optax import orthogonalize
-from muon_optax.order import after
-from muon_optax.polar import (
+from muon_optax.rule.order import after
+from muon_optax.rule.polar import (
     POLAR_EXPRESS_COEFFS,
     QUINTIC_COEFFS,
     choose_method,
@@ -133,7 +133,7 @@ def test_orthogonalize_scales_in_float32_then_rounds_once():
 def test_preconditionings_match_optax(shape, coeffs, preconditioning):
     from optax.contrib._muon import orthogonalize_via_newton_schulz
 
-    from muon_optax.polar import DION_COEFFS
+    from muon_optax.rule.polar import DION_COEFFS
 
     table = {"quintic": QUINTIC_COEFFS[0], "dion": DION_COEFFS}[coeffs]
     x = jnp.asarray(np.random.default_rng(1).standard_normal(shape), jnp.float32)

@@ -438,7 +438,7 @@ def test_adamw_split_prefers_the_leading_axis():
     # Splitting a minor axis transposes the gradient, the param and both moments every
     # step (1.66x the step time for a (32001, 512) embedding on 8 devices, BENCHMARKS.md)
     # to save a few rows of padding.
-    from muon_optax.sharding import adamw_shard_axis
+    from muon_optax.plan.specs import adamw_shard_axis
 
     for shape in [(50257, 768), (32001, 4096)]:
         for n in range(2, 65):

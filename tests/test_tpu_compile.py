@@ -109,7 +109,7 @@ def lowered_kernels(layers: int, chips) -> tuple[int, int]:
 
 @needs_libtpu
 def test_one_chip_kernels_do_not_grow_with_layers(chips, monkeypatch):
-    from muon_optax import single
+    from muon_optax.step import one_device as single
 
     # Each stack (squares, c_fc, c_proj) has one chunk per block, in loops of up to 4
     # chunks: 2 or 4 blocks are 3 kernels, 8 blocks 6 (one per chunk: 6, 12, 24).
@@ -153,7 +153,7 @@ def all_to_all_sizes(hlo: str) -> list[int]:
 def test_zero2_moves_the_muon_matrices_in_pieces(chips, monkeypatch):
     """The gradients' reduce-scatter and the directions' all-gather, each in pieces of
     ``scatter_piece`` elements a chip: more collectives, the same bytes."""
-    from muon_optax import transport
+    from muon_optax.step import transport
 
     _, _, whole = compile_step("zero2", chips)
     piece = 16384   # elements of each chip's row: a (4, piece) buffer in flight at a time
@@ -172,7 +172,7 @@ def test_zero2_pieces_narrow_on_64_chips():
     each piece of the gradients' all-to-all holds at most ``PIECE_MATRICES`` of them."""
     from jax.experimental import topologies
 
-    from muon_optax import transport
+    from muon_optax.step import transport
 
     devices = list(topologies.get_topology_desc(topology_name="v5p:4x4x4",
                                                 platform="tpu").devices)
@@ -187,7 +187,7 @@ def test_zero2_pieces_narrow_on_64_chips():
 def test_zero2_reduce_scatters_a_large_adamw_gradient_in_pieces(chips, monkeypatch):
     """An AdamW gradient over ``SCATTER_PIECE_BYTES`` goes in pieces (the embedding and
     the head: 512 KiB each here): more all-to-alls, the same bytes."""
-    from muon_optax import sharding
+    from muon_optax.plan import specs as sharding
 
     _, _, whole = compile_step("zero2", chips)
     monkeypatch.setattr(sharding, "SCATTER_PIECE_BYTES", 128 * 2**10)

@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 
-from muon_optax.dimension_numbers import MuonDimensionNumbers
-from muon_optax.variables import unbox, unboxed_structure
+from muon_optax.params.dimension_numbers import MuonDimensionNumbers
+from muon_optax.params.variables import unbox, unboxed_structure
 
 
 def path_str(path: Sequence[Any]) -> str:

@@ -1,10 +1,10 @@
 """The Muon phase on one device: stack -> kernel -> unstack.
 
 Each stack (matrices of one stored shape, dtype and group options; see
-:mod:`muon_optax.layout`) is read as one ``(K, R, C)`` array, runs the rule's kernel
-(:func:`muon_optax.muon.muon_step`) with its state, and is split back into its leaves,
+:mod:`muon_optax.params.layout`) is read as one ``(K, R, C)`` array, runs the rule's kernel
+(:func:`muon_optax.rule.muon.muon_step`) with its state, and is split back into its leaves,
 which take the cautious update in their own layout. Nothing here knows about devices:
-the sharded engine (:mod:`muon_optax.stacks`) adds ownership and transport around the
+the sharded engine (:mod:`muon_optax.step.sharded`) adds ownership and transport around the
 same kernel and the same per-leaf finish.
 
 The state of a stack is a pair of buffers of its own in the stack's layout
@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax import polar
-from muon_optax.guard import scaled
-from muon_optax.layout import Stack
-from muon_optax.muon import MuonStackState, leaf_update, muon_step
-from muon_optax.order import after
-from muon_optax.plan import StackPlan, TreePlan
+from muon_optax.params.layout import Stack
+from muon_optax.plan.plan import StackPlan, TreePlan
+from muon_optax.rule import polar
+from muon_optax.rule.muon import MuonStackState, leaf_update, muon_step
+from muon_optax.rule.order import after
+from muon_optax.step.guard import scaled
 
 
 class MuonBuffers(NamedTuple):

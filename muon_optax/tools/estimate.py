@@ -2,7 +2,7 @@
 
 Like DeepSpeed's memory estimators: "how much memory will the optimizer state take per
 GPU on 256 GPUs?" answered on a laptop. Everything comes from the static plan
-(:mod:`muon_optax.plan`), so the numbers are the compiled program's: the state bytes
+(:mod:`muon_optax.plan.plan`), so the numbers are the compiled program's: the state bytes
 exactly (every device allocates the longest share), the Muon FLOPs from the cost model
 the owners were balanced with, the collective bytes as a ring algorithm sends them.
 """
@@ -16,14 +16,14 @@ import jax
 import numpy as np
 import optax
 
-from muon_optax.engine import init_of, state_shapes
-from muon_optax.guard import stats_sent
-from muon_optax.jit_mode import entry_sent
-from muon_optax.labels import path_str
-from muon_optax.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
-from muon_optax.sharding import check_spec, normalize_spec
-from muon_optax.transport import Transports
-from muon_optax.variables import unbox, unboxed_structure
+from muon_optax.params.labels import path_str
+from muon_optax.params.variables import unbox, unboxed_structure
+from muon_optax.plan.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
+from muon_optax.plan.specs import check_spec, normalize_spec
+from muon_optax.step.engine import init_of, state_shapes
+from muon_optax.step.guard import stats_sent
+from muon_optax.step.jit_mode import entry_sent
+from muon_optax.step.transport import Transports
 
 # Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay),
 # for the program's total in the cost model.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from muon_optax.hparams import AdamWConfig
+from muon_optax.rule.hparams import AdamWConfig
 
 
 def update_in_param_dtype(p32: jax.Array, update32: jax.Array, dtype) -> jax.Array:

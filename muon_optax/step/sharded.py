@@ -1,8 +1,8 @@
 """The Muon phase of a step: every stack's owned slots, on this device.
 
 For each stack (in plan order) a device reads its owned matrices' gradients from the
-transports (:mod:`muon_optax.transport`), its momentum and NorMuon state from its flat
-state buffers, runs the rule's one kernel (:func:`muon_optax.muon.muon_step`), writes
+transports (:mod:`muon_optax.step.transport`), its momentum and NorMuon state from its flat
+state buffers, runs the rule's one kernel (:func:`muon_optax.rule.muon.muon_step`), writes
 the state back in place and hands the directions to the transports. The slots every
 device owns run as one batched program; the rest one by one under ``lax.cond``, skipped
 where a device owns fewer.
@@ -18,13 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.hparams import MuonConfig
-from muon_optax.muon import MuonStackState, muon_step
-from muon_optax.order import after
-from muon_optax.plan import StackPlan, TreePlan
-from muon_optax.sharding import Collectives, varying_axes
-from muon_optax.single import MuonBuffers, chunk_bytes, chunks, finish_leaves, matrix_hparams
-from muon_optax.transport import Transports
+from muon_optax.plan.plan import StackPlan, TreePlan
+from muon_optax.plan.specs import Collectives, varying_axes
+from muon_optax.rule.hparams import MuonConfig
+from muon_optax.rule.muon import MuonStackState, muon_step
+from muon_optax.rule.order import after
+from muon_optax.step.one_device import (
+    MuonBuffers,
+    chunk_bytes,
+    chunks,
+    finish_leaves,
+    matrix_hparams,
+)
+from muon_optax.step.transport import Transports
 
 
 def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
@@ -61,7 +67,7 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
 
 
 def _owned_slot(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
-    """:func:`muon_optax.muon.muon_step` on one slot a device may not own (the branch of
+    """:func:`muon_optax.rule.muon.muon_step` on one slot a device may not own (the branch of
     a ``lax.cond``): ``<U, O>`` zeros without ``adaptive``, as :func:`_skipped` gives."""
     o, state, d = muon_step(g, state, hp, cfg, count, dtype)
     return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
@@ -96,7 +102,7 @@ def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, coun
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: MuonBuffers,
                 hps, comm: Collectives, count, prev):
     """One stack's owned slots: the first ``base`` batched in chunks of at most
-    :func:`muon_optax.single.chunk_bytes` (one after another, so one chunk's temporaries
+    :func:`muon_optax.step.one_device.chunk_bytes` (one after another, so one chunk's temporaries
     are alive at a time), the rest one by one, each skipped (``lax.cond``) on devices
     that own fewer. Returns the state buffers, the last direction (to sequence the next
     stack) and the slots' ``<U, O>`` (adaptive)."""

@@ -1,7 +1,7 @@
 """The layout a state was made for, kept in the static part of the state's structure.
 
 The Muon state lives in flat buffers whose rows belong to the matrices that each device
-owns (:mod:`muon_optax.plan`). The same params laid out another way (replicated, then
+owns (:mod:`muon_optax.plan.plan`). The same params laid out another way (replicated, then
 split along their layer axis; another device count) may give buffers of the same shapes
 whose rows belong to other matrices: a state made for one layout and used with another
 would update the wrong matrices without any shape error. So every state carries a
@@ -43,7 +43,7 @@ class StateLayout:
 
 
 def layout_of(plan: Any) -> StateLayout:
-    """The :class:`StateLayout` of a :class:`muon_optax.plan.TreePlan`.
+    """The :class:`StateLayout` of a :class:`muon_optax.plan.plan.TreePlan`.
 
     Deterministic across processes (no Python ``hash``): every host of a multi-process
     run computes the same digest. The AdamW moments are not in it: their global arrays

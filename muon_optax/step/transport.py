@@ -8,7 +8,7 @@ sink per transport (the :class:`Source` and :class:`Sink` protocols):
             already reduced gradients) ... directions -> flat share -> all-gather;
 - exchange: equal pieces of every matrix -> all-to-all -> reassembled on the owner ...
             directions cut into the holders' blocks -> all-to-all -> each holder's block
-            (:mod:`muon_optax.exchange`);
+            (:mod:`muon_optax.step.exchange`);
 - local:    the device's own matrices, read and written in place.
 
 All positions are static (from the plan) or, where they depend on the device, read from
@@ -24,12 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.exchange import ExchangeSink, ExchangeSource
-from muon_optax.guard import scaled
-from muon_optax.layout import MatrixLeaf
-from muon_optax.order import after
-from muon_optax.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan
-from muon_optax.rows import (
+from muon_optax.params.layout import MatrixLeaf
+from muon_optax.plan.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan
+from muon_optax.plan.specs import Collectives
+from muon_optax.rule.order import after
+from muon_optax.step.exchange import ExchangeSink, ExchangeSource
+from muon_optax.step.guard import scaled
+from muon_optax.step.rows import (
     dynamic_slice,
     dynamic_update,
     member_rows,
@@ -38,7 +39,6 @@ from muon_optax.rows import (
     owned_parts,
     span,
 )
-from muon_optax.sharding import Collectives
 
 # The TPU form where it differs (column pieces), chosen at lowering; a module name so
 # that tests can run that form on XLA:CPU.

@@ -1,6 +1,6 @@
 """The public constructors: nanochat's MuonAdamW, and Muon and AdamW alone.
 
-All three build the same engine (:mod:`muon_optax.engine`) with different groups, so
+All three build the same engine (:mod:`muon_optax.step.engine`) with different groups, so
 they shard the same way and their states have the same form.
 """
 
@@ -12,11 +12,11 @@ from typing import Any
 import jax
 import optax
 
-from muon_optax.engine import Init, Options, local_fns
-from muon_optax.guard import check_options
-from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
-from muon_optax.jit_mode import wrap_in_shard_map
-from muon_optax.sharding import check_owner_args, owner_axes
+from muon_optax.plan.specs import check_owner_args, owner_axes
+from muon_optax.rule.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
+from muon_optax.step.engine import Init, Options, local_fns
+from muon_optax.step.guard import check_options
+from muon_optax.step.jit_mode import wrap_in_shard_map
 
 SMALL_PARAM_THRESHOLD = 1024
 
@@ -174,7 +174,7 @@ def muon(
         rectangular matrix in Gram space where that saves FLOPs (1.3x fewer for 4:1
         matrices; the same polynomial, rounded differently, within float32 accuracy of
         the rule); ``"direct"`` runs every step as the rule writes it; ``"gram"``
-        forces the Gram-space form (see :func:`muon_optax.polar.polar_express`).
+        forces the Gram-space form (see :func:`muon_optax.rule.polar.polar_express`).
       dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
         params -> tree); default: last two axes ``(in, out)``, leading axes batch.
       ns_coeffs: the polynomial of each iteration: ``"polar_express"`` (default; the

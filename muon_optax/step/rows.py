@@ -1,5 +1,5 @@
 """Rows of device-major buffers: where each matrix of a stack lies in them, and the
-static slicing the transports (:mod:`muon_optax.transport`) pack and unpack them with."""
+static slicing the transports (:mod:`muon_optax.step.transport`) pack and unpack them with."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.layout import Stack
-from muon_optax.plan import Channel, StackPlan
+from muon_optax.params.layout import Stack
+from muon_optax.plan.plan import Channel, StackPlan
 
 
 def take_static(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:

@@ -1,18 +1,18 @@
 """The engine behind every constructor: one optax transformation for any groups.
 
 The data flow of one step (everything but the arithmetic is decided at trace time, in
-:mod:`muon_optax.plan`):
+:mod:`muon_optax.plan.plan`):
 
     grads, params
       -> reduced: AdamW leaves all-reduced or reduce-scattered, Muon matrices moved to
          their owners (ZeRO-2); with max_grad_norm / skip_nonfinite, the mean gradient's
-         global norm and finiteness from those shares (:mod:`muon_optax.guard`)
+         global norm and finiteness from those shares (:mod:`muon_optax.step.guard`)
       -> AdamW leaves: one fused elementwise update each (float32 math), where they lie
       -> Muon matrices, stacked by stored shape, each stack through the rule's one
-         kernel (:func:`muon_optax.muon.muon_step`), its state updated in place in flat
-         buffers. One device: stack -> kernel -> unstack (:mod:`muon_optax.single`).
+         kernel (:func:`muon_optax.rule.muon.muon_step`), its state updated in place in flat
+         buffers. One device: stack -> kernel -> unstack (:mod:`muon_optax.step.one_device`).
          Sharded: the same kernel on the slots a device owns, the matrices read from
-         and written back to their owners (:mod:`muon_optax.stacks`, ``transport``)
+         and written back to their owners (:mod:`muon_optax.step.sharded`, ``transport``)
       -> cautious update per leaf, in the leaf's own layout
       -> updates (P_new - P), new state
 
@@ -36,14 +36,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax import single, stacks
-from muon_optax.adamw import adamw_hparams, adamw_leaf_update
-from muon_optax.guard import GradStats, from_sums, global_stats, scaled, select, sums
-from muon_optax.hparams import AdamWConfig, MuonConfig
-from muon_optax.labels import path_str
-from muon_optax.muon import muon_hparams
-from muon_optax.plan import TreePlan, make_tree_plan
-from muon_optax.sharding import (
+from muon_optax.params.labels import path_str
+from muon_optax.params.variables import unbox, unboxed_structure
+from muon_optax.plan.plan import TreePlan, make_tree_plan
+from muon_optax.plan.specs import (
     Collectives,
     check_spec,
     normalize_spec,
@@ -53,12 +49,17 @@ from muon_optax.sharding import (
     to_partition_spec,
     varying_axes,
 )
-from muon_optax.single import MuonBuffers
-from muon_optax.state_layout import StateLayout, layout_error, layout_of
-from muon_optax.transport import Transports
-from muon_optax.variables import unbox, unboxed_structure
-from muon_optax.warn import warn_if_split
-from muon_optax.wrapped import recorder
+from muon_optax.plan.state_layout import StateLayout, layout_error, layout_of
+from muon_optax.plan.warn import warn_if_split
+from muon_optax.rule.adamw import adamw_hparams, adamw_leaf_update
+from muon_optax.rule.hparams import AdamWConfig, MuonConfig
+from muon_optax.rule.muon import muon_hparams
+from muon_optax.state.wrapped import recorder
+from muon_optax.step import one_device as single
+from muon_optax.step import sharded as stacks
+from muon_optax.step.guard import GradStats, from_sums, global_stats, scaled, select, sums
+from muon_optax.step.one_device import MuonBuffers
+from muon_optax.step.transport import Transports
 
 # Lowering-time choice of a TPU-only form; tests force that form on CPU through this name.
 platform_dependent = jax.lax.platform_dependent
@@ -76,7 +77,7 @@ class MuonAdamWState(NamedTuple):
     the optimizer was built with ``skip_nonfinite=True``); ``count`` does not count them.
     ``layout``: the layout the state was made for (a :class:`StateLayout`, a node without
     leaves, so part of the state's structure): ``update`` refuses a state made for
-    another one (:mod:`muon_optax.state_layout`).
+    another one (:mod:`muon_optax.plan.state_layout`).
     """
 
     count: jax.Array                       # int32 steps taken
@@ -113,7 +114,7 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
     """Each leaf's layout over ``opts.mesh`` (None in the shard_map and one-device forms).
 
     From ``param_specs`` if given (one ``PartitionSpec`` for all leaves, or a tree),
-    else from the leaves themselves (:func:`muon_optax.sharding.placed_specs`).
+    else from the leaves themselves (:func:`muon_optax.plan.specs.placed_specs`).
     """
     if opts.mesh is None:
         return None
@@ -160,7 +161,7 @@ def _check_mesh(x: Any, opts: Options, path: str) -> None:
 def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...]) -> TreePlan:
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
                           axes, leaf_specs(opts, params), opts.threshold, opts.name)
-    # One device runs the plain path (muon_optax.single), also under mesh= (whose
+    # One device runs the plain path (muon_optax.step.one_device), also under mesh= (whose
     # gradients are already reduced). ZeRO-2 on a one-device axis keeps the sharded
     # path: its collectives make the per-device gradients replicated.
     one = plan.num_devices == 1 and (opts.axes is None or opts.mesh is not None)

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.order import after
-from muon_optax.plan import EXCHANGE, OwnerPlan, StackPlan
-from muon_optax.rows import (
+from muon_optax.plan.plan import EXCHANGE, OwnerPlan, StackPlan
+from muon_optax.plan.specs import Collectives, flat_rows, row_slice
+from muon_optax.rule.order import after
+from muon_optax.step.rows import (
     device_rows,
     dynamic_slice,
     dynamic_update,
@@ -31,7 +32,6 @@ from muon_optax.rows import (
     span,
     take_static,
 )
-from muon_optax.sharding import Collectives, flat_rows, row_slice
 
 # The TPU form where it differs (column pieces), chosen at lowering; a module name so
 # that tests can run that form on XLA:CPU.

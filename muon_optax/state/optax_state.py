@@ -39,10 +39,10 @@ import optax
 import optax.contrib
 from optax.transforms import MaskedNode, MaskedState, PartitionState
 
-from muon_optax.contrib import ADAM, MUON, MUON_NO_DECAY
-from muon_optax.engine import MuonAdamWState
-from muon_optax.labels import path_str
-from muon_optax.wrapped import locate
+from muon_optax.api.contrib import ADAM, MUON, MUON_NO_DECAY
+from muon_optax.params.labels import path_str
+from muon_optax.state.wrapped import locate
+from muon_optax.step.engine import MuonAdamWState
 
 _SIDES = ("adam", "muon")
 
@@ -219,7 +219,7 @@ def _check_dtypes(want: dict, portable: dict, params: Any, paths: list[str],
 
 def _portable_shapes(tx: Any, params: Any) -> dict:
     """The shape structs of ``tx``'s portable state for ``params``."""
-    from muon_optax.portable import export_state
+    from muon_optax.state.portable import export_state
 
     opts = tx.init.options
     shapes = tx.init.global_shapes(params)
@@ -291,7 +291,7 @@ def import_optax_state(tx: optax.GradientTransformation, optax_state: Any, param
     ``tx`` is a :func:`muon_optax.contrib_muon`, alone or wrapped as the optax one was
     (``optax.chain``, ``optax.inject_hyperparams``, ...); the wrappers' own state is kept.
     """
-    from muon_optax.portable import import_state
+    from muon_optax.state.portable import import_state
 
     where = "import_state"
     inner, inner_params, want = _inner(tx, params, where)
@@ -314,7 +314,7 @@ def export_optax_state(tx: optax.GradientTransformation, state: Any, params: Any
                        num_devices: int | None = None) -> Any:
     """A contrib_muon state (alone or in its wrappers' state) as ``optax.contrib.muon``'s
     state with the same arguments (the wrappers' own state kept)."""
-    from muon_optax.portable import export_state
+    from muon_optax.state.portable import export_state
 
     where = "export_state(as_optax=True)"
     inner, inner_params, _ = _inner(tx, params, where)

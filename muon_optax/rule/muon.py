@@ -1,7 +1,7 @@
 """Muon: Nesterov momentum, Polar Express, NorMuon and cautious weight decay.
 
 One step for a stack of K matrices ``(K, R, C)``, stored as their leaves lay them out
-(see :mod:`muon_optax.layout`), every operation per matrix:
+(see :mod:`muon_optax.params.layout`), every operation per matrix:
 
     buf = lerp(buf, G, 1 - momentum);  U = lerp(G, buf, momentum)        Nesterov
     X   = U * (||U||_F / sqrt(rows)) / max(row_norms(U), 1e-6)           MuonEq (optional)
@@ -16,7 +16,7 @@ matrix stored transposed equilibrates its stored columns instead. ``lr_eff`` is
 ``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
 arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
 
-Every step has a switch in :class:`~muon_optax.hparams.MuonConfig`, and the other
+Every step has a switch in :class:`~muon_optax.rule.hparams.MuonConfig`, and the other
 choices are optax.contrib.muon's (see :func:`muon_optax.contrib_muon`):
 
     U   = buf (nesterov=False);  with bias_correction, Adam's ``1 - mu^t`` factors
@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from muon_optax.adamw import update_in_param_dtype
-from muon_optax.hparams import MuonConfig
-from muon_optax.order import after
-from muon_optax.polar import (
+from muon_optax.rule.adamw import update_in_param_dtype
+from muon_optax.rule.hparams import MuonConfig
+from muon_optax.rule.order import after
+from muon_optax.rule.polar import (
     overflow_scale,
     per_platform,
     polar_express_stack,
@@ -291,7 +291,7 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
 
     Weight decay acts only where the update and the weight agree in sign. ``lr``
     includes the aspect-ratio factor. Float32 arithmetic; ``P_new`` is rounded once to
-    the parameter dtype (:func:`muon_optax.adamw.update_in_param_dtype`). Elementwise,
+    the parameter dtype (:func:`muon_optax.rule.adamw.update_in_param_dtype`). Elementwise,
     so it runs on each leaf in its own layout, after the stacked directions are split
     back.
     """

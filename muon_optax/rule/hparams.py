@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.polar import (
+from muon_optax.rule.polar import (
     POLAR_EXPRESS_COEFFS,
     Coeffs,
     check_preconditioning,
@@ -205,7 +205,7 @@ class MuonConfig:
 
     - ``ns_coeffs``: the ``(a, b, c)`` of each iteration (``ns_steps`` rows), or None
       for Polar Express's first ``ns_steps``;
-    - ``preconditioning``: one of :data:`muon_optax.polar.PRECONDITIONINGS`; ``eps`` is
+    - ``preconditioning``: one of :data:`muon_optax.rule.polar.PRECONDITIONINGS`; ``eps`` is
       the one of ``frobenius``/``spectral``;
     - ``nesterov``: Nesterov look-ahead (else the momentum buffer itself);
       ``bias_correction``: divide by ``1 - momentum^t`` as Adam does (needs the step);
@@ -217,7 +217,7 @@ class MuonConfig:
       float32 lerp);
     - ``adaptive``: scale the direction by ``<U, O>`` summed over the leaf;
     - ``consistent_rms``: the lr scale ``sqrt(max(R, C)) * consistent_rms`` instead of
-      ``sqrt(max(1, R / C))`` (see :func:`muon_optax.muon.matrix_lr_scale`);
+      ``sqrt(max(1, R / C))`` (see :func:`muon_optax.rule.muon.matrix_lr_scale`);
     - ``scale_decay``: the decay's lr includes that scale (nanochat) or not (optax).
     """
 

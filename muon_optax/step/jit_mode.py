@@ -2,7 +2,7 @@
 
 Every leaf enters in its own layout (``in_specs`` from the params' layouts: their types
 on Explicit mesh axes, ``param_specs``, or the placement seen at an eager ``init``: see
-:func:`muon_optax.sharding.placed_specs`), the gradients already averaged by XLA; the
+:func:`muon_optax.plan.specs.placed_specs`), the gradients already averaged by XLA; the
 updates leave laid out like the params and the state stays split over the owner axes.
 """
 
@@ -17,7 +17,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax.engine import (
+from muon_optax.plan.specs import normalize_spec, to_partition_spec, typed_spec
+from muon_optax.step.engine import (
     Options,
     TreePlan,
     check_state,
@@ -28,8 +29,7 @@ from muon_optax.engine import (
     state_shapes,
     tree_plan,
 )
-from muon_optax.guard import GradStats, global_stats
-from muon_optax.sharding import normalize_spec, to_partition_spec, typed_spec
+from muon_optax.step.guard import GradStats, global_stats
 
 
 def wrap_in_shard_map(opts: Options):

@@ -4,7 +4,7 @@ nanochat's ``DistMuonAdamW`` shards the optimizer without DDP: reduce-scatter th
 gradients, update only the owned share with state for only that share, all-gather the
 result. Here the owner axes are one mesh axis or several (``axis_name="data"`` or
 ``("data", "model")``); their ``N`` devices are numbered row-major, first axis major,
-as ``jax.lax.axis_index`` numbers them. :mod:`muon_optax.plan` decides who owns what;
+as ``jax.lax.axis_index`` numbers them. :mod:`muon_optax.plan.plan` decides who owns what;
 this module holds the collectives, and reads how the user laid out each parameter.
 
 With ``axis_name=None`` the same code runs with N = 1 and every collective is the
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from muon_optax.order import after
-from muon_optax.wrapped import locate
+from muon_optax.rule.order import after
+from muon_optax.state.wrapped import locate
 
 Spec = tuple[tuple[str, ...], ...]
 """A leaf's layout: for each of its axes, the mesh axes it is split over (major first)."""

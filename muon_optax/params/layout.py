@@ -43,13 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.dimension_numbers import (
+from muon_optax.params.dimension_numbers import (
     MuonDimensionNumbers,
     block_counts,
     is_dimension_numbers,
 )
-from muon_optax.labels import attention_dimension_numbers, path_str
-from muon_optax.variables import unbox, unboxed_structure
+from muon_optax.params.labels import attention_dimension_numbers, path_str
+from muon_optax.params.variables import unbox, unboxed_structure
 
 DEFAULT_DIMENSION_NUMBERS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 
@@ -269,7 +269,7 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
     """Per-leaf ``MuonDimensionNumbers`` in flattening order; None where the default is
     ``(in, out)`` = the last two axes. The default reads Flax's attention kernels as one
-    matrix each (:func:`muon_optax.labels.attention_dimension_numbers`)."""
+    matrix each (:func:`muon_optax.params.labels.attention_dimension_numbers`)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if is_dimension_numbers(dimension_numbers):
         return [dimension_numbers] * treedef.num_leaves
@@ -305,7 +305,7 @@ class Stack:
     """Matrices updated by one batched program: same stored shape, dtype and options.
 
     The stack's matrices are its members' matrices in member order (a leaf with batch
-    axes contributes ``batch`` of them, in row-major batch order); :mod:`muon_optax.plan`
+    axes contributes ``batch`` of them, in row-major batch order); :mod:`muon_optax.plan.plan`
     decides which device owns each.
     """
 
@@ -347,7 +347,7 @@ def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],
     """Groups Muon matrices into stacks, in first-seen order.
 
     ``signature(leaf)`` adds what else two leaves must share to be batched together
-    (how they travel between devices, see :mod:`muon_optax.plan`).
+    (how they travel between devices, see :mod:`muon_optax.plan.plan`).
     """
     buckets: dict[tuple, list[MatrixLeaf]] = {}
     for leaf in leaves:

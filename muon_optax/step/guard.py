@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from muon_optax.hparams import concrete_value
+from muon_optax.rule.hparams import concrete_value
 
 
 class GradStats(NamedTuple):

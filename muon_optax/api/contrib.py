@@ -3,7 +3,7 @@
 Same arguments, same defaults, same updates (float32: within 1e-5 of optax's parameter
 change), with the engine's stacking of same-shape matrices, ZeRO-2 sharding
 (``axis_name``, ``mesh``) and :func:`muon_optax.state_specs`. The rule, as optax 0.2.8
-computes it (each step is a piece in :mod:`muon_optax.polar` and :mod:`muon_optax.muon`):
+computes it (each step is a piece in :mod:`muon_optax.rule.polar` and :mod:`muon_optax.muon`):
 
     Muon leaves (2-D by default, or as ``muon_weight_dimension_numbers`` says):
       m = beta m + (1 - beta) g
@@ -16,10 +16,10 @@ computes it (each step is a piece in :mod:`muon_optax.polar` and :mod:`muon_opta
     other leaves: optax.adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2,
       eps, adam_eps_root, adam_weight_decay, mu_dtype, nesterov)
 
-It maps onto one :class:`~muon_optax.hparams.MuonConfig` (bias-corrected momentum, no
+It maps onto one :class:`~muon_optax.rule.hparams.MuonConfig` (bias-corrected momentum, no
 MuonEq, Muon+ or NorMuon, plain decay unscaled by ``s``), a second one without decay
 for the Muon leaves that ``weight_decay_mask`` leaves out (the two share stacks), and
-one :class:`~muon_optax.hparams.AdamWConfig` with optax's Adam options.
+one :class:`~muon_optax.rule.hparams.AdamWConfig` with optax's Adam options.
 """
 
 import dataclasses
@@ -31,11 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from muon_optax.dimension_numbers import MuonDimensionNumbers, block_counts, is_dimension_numbers
-from muon_optax.hparams import AdamWConfig, MuonConfig, Scalar
-from muon_optax.labels import path_str
-from muon_optax.optimizer import build
-from muon_optax.polar import (
+from muon_optax.api.optimizer import build
+from muon_optax.params.dimension_numbers import (
+    MuonDimensionNumbers,
+    block_counts,
+    is_dimension_numbers,
+)
+from muon_optax.params.labels import path_str
+from muon_optax.plan.specs import check_owner_args
+from muon_optax.rule.hparams import AdamWConfig, MuonConfig, Scalar
+from muon_optax.rule.polar import (
     DION_COEFFS,
     POLAR_EXPRESS_COEFFS,
     QUINTIC_COEFFS,
@@ -43,7 +48,6 @@ from muon_optax.polar import (
     check_preconditioning,
     coefficient_rows,
 )
-from muon_optax.sharding import check_owner_args
 
 # optax's names ("standard", "dion"), and muon_optax's for the same or more.
 CONTRIB_PRESETS: dict[str, Coeffs] = {

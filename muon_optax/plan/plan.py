@@ -41,13 +41,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.dimension_numbers import check_unused
-from muon_optax.hparams import MuonConfig
-from muon_optax.labels import flat_labels, path_str
-from muon_optax.layout import MatrixLeaf, Stack, flat_dimension_numbers, matrix_leaf, plan_stacks
-from muon_optax.polar import choose_method, default_compute_dtype, polar_flops
-from muon_optax.sharding import Spec, adamw_shard_axis, padded_shape
-from muon_optax.warn import warn
+from muon_optax.params.dimension_numbers import check_unused
+from muon_optax.params.labels import flat_labels, path_str
+from muon_optax.params.layout import (
+    MatrixLeaf,
+    Stack,
+    flat_dimension_numbers,
+    matrix_leaf,
+    plan_stacks,
+)
+from muon_optax.plan.specs import Spec, adamw_shard_axis, padded_shape
+from muon_optax.plan.warn import warn
+from muon_optax.rule.hparams import MuonConfig
+from muon_optax.rule.polar import choose_method, default_compute_dtype, polar_flops
 
 GATHER, EXCHANGE, LOCAL = "gather", "exchange", "local"
 

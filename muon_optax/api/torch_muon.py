@@ -8,7 +8,7 @@ The rule, per matrix ``P`` of shape ``(out, in)``, gradient ``g`` (torch's defau
     P   = P - lr wd P - lr s O                  s = sqrt(max(1, out / in))   ("original")
                                                 s = 0.2 sqrt(max(out, in))   ("match_rms_adamw")
 
-It maps onto one :class:`~muon_optax.hparams.MuonConfig`: nanochat's momentum (the same
+It maps onto one :class:`~muon_optax.rule.hparams.MuonConfig`: nanochat's momentum (the same
 lerps), no MuonEq, Muon+ or NorMuon, plain decay at the unscaled learning rate
 (``scale_decay=False``), optax's Frobenius preconditioning and the ``consistent_rms``
 scale for ``"match_rms_adamw"``. Two differences from torch, both within its own
@@ -25,11 +25,11 @@ import jax
 import numpy as np
 import optax
 
-from muon_optax.dimension_numbers import MuonDimensionNumbers
-from muon_optax.hparams import MuonConfig, Scalar
-from muon_optax.labels import path_str
-from muon_optax.optimizer import build
-from muon_optax.sharding import check_owner_args
+from muon_optax.api.optimizer import build
+from muon_optax.params.dimension_numbers import MuonDimensionNumbers
+from muon_optax.params.labels import path_str
+from muon_optax.plan.specs import check_owner_args
+from muon_optax.rule.hparams import MuonConfig, Scalar
 
 TORCH_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 ADJUST_LR_FNS = {None: None, "original": None, "match_rms_adamw": 0.2}

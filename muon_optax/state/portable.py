@@ -1,7 +1,7 @@
 """Optimizer state that moves between device counts and sharding modes.
 
 The engine keeps the Muon state in flat per-device buffers whose layout depends on the
-device count, the owner plan and the params' layouts (:mod:`muon_optax.plan`), and may
+device count, the owner plan and the params' layouts (:mod:`muon_optax.plan.plan`), and may
 pad large AdamW moments to a multiple of the device count. The portable form is the
 same numbers per parameter, in the parameter's own layout:
 
@@ -35,7 +35,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax.engine import (
+from muon_optax.params.layout import MatrixLeaf
+from muon_optax.plan.plan import StackPlan, TreePlan
+from muon_optax.plan.specs import pad_to, to_partition_spec, typed_spec
+from muon_optax.state.optax_state import (
+    export_optax_state,
+    holds_optax_muon_state,
+    import_optax_state,
+)
+from muon_optax.state.wrapped import locate
+from muon_optax.step.engine import (
     Init,
     MuonAdamWState,
     MuonBuffers,
@@ -44,12 +53,7 @@ from muon_optax.engine import (
     state_partition_specs,
     state_shapes,
 )
-from muon_optax.layout import MatrixLeaf
-from muon_optax.optax_state import export_optax_state, holds_optax_muon_state, import_optax_state
-from muon_optax.plan import StackPlan, TreePlan
-from muon_optax.rows import member_rows
-from muon_optax.sharding import pad_to, to_partition_spec, typed_spec
-from muon_optax.wrapped import locate
+from muon_optax.step.rows import member_rows
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
@@ -69,7 +73,7 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan
 
 def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
     """``(tx, state, params)`` of the one muon_optax transformation inside a chain or
-    wrapper (see :mod:`muon_optax.wrapped`); ``tx`` itself if it is one."""
+    wrapper (see :mod:`muon_optax.state.wrapped`); ``tx`` itself if it is one."""
     if isinstance(getattr(tx, "init", None), Init):
         return tx, state, params
 
@@ -157,7 +161,7 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
         (default: read from the state).
       as_optax: for a :func:`muon_optax.contrib_muon` (alone or wrapped), return the
         state ``optax.contrib.muon`` with the same arguments (wrapped the same way) would
-        have, to continue the run on optax (see :mod:`muon_optax.optax_state`).
+        have, to continue the run on optax (see :mod:`muon_optax.state.optax_state`).
     """
     if as_optax:
         return export_optax_state(tx, state, params, num_devices=num_devices)
@@ -297,7 +301,7 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     ``portable`` may also be the state of ``optax.contrib.muon`` (or of a chain or
     wrapper holding it) for ``tx`` a :func:`muon_optax.contrib_muon` with the same
     arguments, wrapped the same way: the result is ``tx``'s state, to continue the run
-    (see :mod:`muon_optax.optax_state`).
+    (see :mod:`muon_optax.state.optax_state`).
     """
     if holds_optax_muon_state(portable):
         return import_optax_state(tx, portable, params, num_devices=num_devices)

@@ -1,0 +1,2 @@
+"""What the params are: Flax variables, labels, dimension numbers, and the matrices the
+Muon leaves hold, stacked by shape."""

@@ -1,0 +1,1 @@
+"""Reports about a transformation: ``describe`` and ``estimate``."""
