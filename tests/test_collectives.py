@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from muon_optax.plan.specs import Collectives, row_slice
+from muon_optax.step.collectives import Collectives, row_slice
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 

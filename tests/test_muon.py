@@ -17,7 +17,8 @@ import optax
 import pytest
 
 import muon_optax
-from muon_optax import MuonDimensionNumbers, polar
+from muon_optax import MuonDimensionNumbers
+from muon_optax.rule import polar
 from muon_optax.rule.hparams import MuonConfig
 
 try:
@@ -155,7 +156,7 @@ def test_bf16_step_has_no_bf16_scalars(param_dtype, monkeypatch):
     assert not re.search(r":bf16\[\]", jaxpr), sorted(set(re.findall(r"\S+:bf16\[\]", jaxpr)))
 
 
-M = sys.modules["muon_optax.muon"]  # the module (muon_optax.muon is the constructor)
+M = sys.modules["muon_optax.rule.muon"]  # the module (muon_optax.muon is the constructor)
 SHAPES = {"wide": (16, 48), "tall": (40, 24), "square": (24, 24)}
 
 

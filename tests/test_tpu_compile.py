@@ -187,10 +187,10 @@ def test_zero2_pieces_narrow_on_64_chips():
 def test_zero2_reduce_scatters_a_large_adamw_gradient_in_pieces(chips, monkeypatch):
     """An AdamW gradient over ``SCATTER_PIECE_BYTES`` goes in pieces (the embedding and
     the head: 512 KiB each here): more all-to-alls, the same bytes."""
-    from muon_optax.plan import specs as sharding
+    from muon_optax.step import collectives
 
     _, _, whole = compile_step("zero2", chips)
-    monkeypatch.setattr(sharding, "SCATTER_PIECE_BYTES", 128 * 2**10)
+    monkeypatch.setattr(collectives, "SCATTER_PIECE_BYTES", 128 * 2**10)
     _, _, ops = compile_step("zero2", chips)
     # the embedding (512, 256) in 2 pieces of 128 columns, the head (256, 512) in 4
     assert ops["all-to-all"]["count"] == whole["all-to-all"]["count"] + 4, (ops, whole)

@@ -37,22 +37,23 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax.params.layout import MatrixLeaf
 from muon_optax.plan.plan import StackPlan, TreePlan
-from muon_optax.plan.specs import pad_to, to_partition_spec, typed_spec
+from muon_optax.plan.specs import to_partition_spec, typed_spec
 from muon_optax.state.optax_state import (
     export_optax_state,
     holds_optax_muon_state,
     import_optax_state,
 )
 from muon_optax.state.wrapped import locate
+from muon_optax.step.collectives import pad_to
 from muon_optax.step.engine import (
     Init,
     MuonAdamWState,
-    MuonBuffers,
     check_state,
     init_of,
     state_partition_specs,
     state_shapes,
 )
+from muon_optax.step.one_device import MuonBuffers
 from muon_optax.step.rows import member_rows
 
 

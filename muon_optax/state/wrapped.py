@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 _RECORDER: contextvars.ContextVar = contextvars.ContextVar("muon_optax_recorder", default=None)
 
@@ -90,3 +91,38 @@ def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
+    """PartitionSpecs of ``tx``'s state for ``jax.shard_map``'s ``in_specs``/``out_specs``.
+
+    ``tx`` is a transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``)
+    built with an ``axis_name``, or a chain or wrapper holding one (``optax.chain``,
+    ``MultiSteps``, ``inject_hyperparams``, ``apply_if_finite``, ``masked``/``partition``):
+    the wrapper's own state gets ``P()``. ``params``: the full params (arrays or shape
+    structs). Sharded leaves get the owner axes on their split axis, the rest ``P()``::
+
+        specs = muon_optax.state_specs(tx, params, mesh)
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
+                                      out_specs=specs))(params)
+    """
+    specs_fn = getattr(tx.init, "state_specs", None)
+    if specs_fn is not None:
+        return specs_fn(params, mesh)
+
+    def shapes_of(init, seen):
+        axes = init.options.axes or ()
+        return init.global_shapes(seen, tuple((a, mesh.shape[a]) for a in axes
+                                              if a in mesh.shape))
+
+    found, shapes = locate(tx, params, shapes_of)
+    if not found:
+        raise TypeError("state_specs: no muon_optax transformation (muon_adamw, muon, adamw, "
+                        "contrib_muon) found in this one or in its state; for a plain optax "
+                        "transformation under ZeRO-2 the state is replicated: P().")
+    leaves, treedef = jax.tree.flatten(shapes)
+    specs = [P()] * len(leaves)
+    for f in found:
+        specs[f.start:f.start + f.n] = jax.tree.leaves(
+            f.init.state_specs(f.params, mesh), is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.unflatten(treedef, specs)

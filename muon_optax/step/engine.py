@@ -40,14 +40,11 @@ from muon_optax.params.labels import path_str
 from muon_optax.params.variables import unbox, unboxed_structure
 from muon_optax.plan.plan import TreePlan, make_tree_plan
 from muon_optax.plan.specs import (
-    Collectives,
     check_spec,
     normalize_spec,
-    pad_to,
     placed_specs,
     split_spec,
     to_partition_spec,
-    varying_axes,
 )
 from muon_optax.plan.state_layout import StateLayout, layout_error, layout_of
 from muon_optax.plan.warn import warn_if_split
@@ -57,6 +54,7 @@ from muon_optax.rule.muon import muon_hparams
 from muon_optax.state.wrapped import recorder
 from muon_optax.step import one_device as single
 from muon_optax.step import sharded as stacks
+from muon_optax.step.collectives import Collectives, pad_to, varying_axes
 from muon_optax.step.guard import GradStats, from_sums, global_stats, scaled, select, sums
 from muon_optax.step.one_device import MuonBuffers
 from muon_optax.step.transport import Transports

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.plan.plan import EXCHANGE, OwnerPlan, StackPlan
-from muon_optax.plan.specs import Collectives, flat_rows, row_slice
 from muon_optax.rule.order import after
+from muon_optax.step.collectives import Collectives, flat_rows, row_slice
 from muon_optax.step.rows import (
     device_rows,
     dynamic_slice,

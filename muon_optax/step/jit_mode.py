@@ -17,10 +17,10 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from muon_optax.plan.plan import TreePlan
 from muon_optax.plan.specs import normalize_spec, to_partition_spec, typed_spec
 from muon_optax.step.engine import (
     Options,
-    TreePlan,
     check_state,
     check_update_args,
     local_init,

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.plan.plan import StackPlan, TreePlan
-from muon_optax.plan.specs import Collectives, varying_axes
 from muon_optax.rule.hparams import MuonConfig
 from muon_optax.rule.muon import MuonStackState, muon_step
 from muon_optax.rule.order import after
+from muon_optax.step.collectives import Collectives, varying_axes
 from muon_optax.step.one_device import (
     MuonBuffers,
     chunk_bytes,

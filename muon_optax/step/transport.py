@@ -26,8 +26,8 @@ import numpy as np
 
 from muon_optax.params.layout import MatrixLeaf
 from muon_optax.plan.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan
-from muon_optax.plan.specs import Collectives
 from muon_optax.rule.order import after
+from muon_optax.step.collectives import Collectives
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource
 from muon_optax.step.guard import scaled
 from muon_optax.step.rows import (
