@@ -25,6 +25,7 @@ from benchmarks import common
 from muon_optax.rule.muon import MuonStackState, muon_step
 from muon_optax.rule.order import after
 from muon_optax.step import one_device as single
+from muon_optax.step.matrices import finish_leaves, matrix_hparams
 
 
 def per_leaf_phase(plan, configs, count, mom, sec, g_leaves, p_leaves):
@@ -37,7 +38,7 @@ def per_leaf_phase(plan, configs, count, mom, sec, g_leaves, p_leaves):
         g = st.stack([after(g_leaves[m.index], prev) for m in st.members])
         state = MuonStackState(jnp.concatenate([mom[m.index] for m in st.members]),
                                jnp.concatenate([sec[m.index] for m in st.members]))
-        hp = single.matrix_hparams(st, hps, np.arange(st.size)[None], lambda t: t[0])
+        hp = matrix_hparams(st, hps, np.arange(st.size)[None], lambda t: t[0])
         prev, state, _ = muon_step(g, state, hp, st.config, count, st.dtype)
         first = 0
         for m, o in zip(st.members, st.unstack(prev)):
@@ -46,7 +47,7 @@ def per_leaf_phase(plan, configs, count, mom, sec, g_leaves, p_leaves):
             new_s[m.index] = state.second_moment[first:first + m.batch]
             first += m.batch
     updates = [None] * len(g_leaves)
-    single.finish_leaves(plan, configs, hps, outs, {}, p_leaves, updates)
+    finish_leaves(plan, configs, hps, outs, {}, p_leaves, updates)
     return [updates[m.index] for m in plan.muon], new_m, new_s
 
 

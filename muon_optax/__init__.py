@@ -17,8 +17,7 @@ from muon_optax.rule.hparams import current_hyperparams
 from muon_optax.rule.polar import POLAR_EXPRESS_COEFFS, orthogonalize
 from muon_optax.state.portable import export_state, import_state
 from muon_optax.state.wrapped import state_specs
-from muon_optax.step.engine import MuonAdamWState
-from muon_optax.step.one_device import MuonBuffers
+from muon_optax.step.state import MuonAdamWState, MuonBuffers
 from muon_optax.tools.describe import describe
 from muon_optax.tools.estimate import estimate
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import muon_optax
-from muon_optax.plan.plan import assign_owners, slots_from_owners
+from muon_optax.plan.owners import assign_owners, slots_from_owners
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

@@ -48,6 +48,7 @@ from muon_optax.rule.polar import (
     check_preconditioning,
     coefficient_rows,
 )
+from muon_optax.state.optax_state import ADAM, MUON, MUON_NO_DECAY
 
 # optax's names ("standard", "dion"), and muon_optax's for the same or more.
 CONTRIB_PRESETS: dict[str, Coeffs] = {
@@ -58,7 +59,6 @@ CONTRIB_PRESETS: dict[str, Coeffs] = {
 }
 CONTRIB_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
-MUON, MUON_NO_DECAY, ADAM = "muon", "muon_no_decay", "adam"
 _FLAX_LAYOUT = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
 
 

@@ -14,7 +14,8 @@ import optax
 
 from muon_optax.plan.specs import check_owner_args, owner_axes
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
-from muon_optax.step.engine import Init, Options, local_fns
+from muon_optax.state.init import Init
+from muon_optax.step.engine import Options, local_fns
 from muon_optax.step.guard import check_options
 from muon_optax.step.jit_mode import wrap_in_shard_map
 

@@ -6,19 +6,7 @@ and NorMuon state and runs its polar iteration. Owners are chosen across all sta
 cost (:func:`assign_owners`), so that the busiest device does about ``1/N`` of the work
 and holds about ``1/N`` of the state, whatever the stack sizes.
 
-How a matrix reaches its owner depends on how its leaf is laid out over the owner axes
-(its *transport*):
-
-- ``"gather"``: the leaf is whole on every device (replicated params, ZeRO-2). The owner
-  takes its matrices from one reduce-scatter of a flat, device-major buffer of every
-  device's gradients (or from its own copy, when the gradients arrive already reduced),
-  and the directions go back to every device by one all-gather of that buffer.
-- ``"exchange"``: the leaf's matrix axes are split over the owner axes (FSDP, tensor
-  parallel, both). Every holder sends its owner an equal piece of the matrix, so one
-  all-to-all assembles every matrix on its owner; a second all-to-all sends each holder
-  its block of the direction.
-- ``"local"``: the leaf is split along its batch (layer) axes over all owner axes: each
-  device owns the matrices it holds, and nothing moves.
+How a matrix reaches its owner is its *transport* (:mod:`muon_optax.plan.routes`).
 
 Under SPMD every device runs the same program, so uneven ownership lives in data: each
 device's share of every flat buffer lists its matrices stack by stack (a *channel*), at
@@ -50,51 +38,16 @@ from muon_optax.params.layout import (
     matrix_leaf,
     plan_stacks,
 )
+from muon_optax.plan.owners import assign_owners, slot_table, slots_from_owners
+from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL, Route, classify, local_holders
 from muon_optax.plan.specs import Spec, adamw_shard_axis, padded_shape
 from muon_optax.plan.warn import warn
 from muon_optax.rule.hparams import MuonConfig
 from muon_optax.rule.polar import choose_method, default_compute_dtype, polar_flops
 
-GATHER, EXCHANGE, LOCAL = "gather", "exchange", "local"
-
 # Elementwise FLOPs per element of a Muon matrix around its polar iteration (momentum,
 # the scalings, NorMuon, the cautious update); part of the cost model only.
 MUON_ELEMENTWISE_FLOPS = 30
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """How an ``"exchange"`` leaf's matrix axes are split over the owner axes.
-
-    ``grid[i]`` blocks along matrix axis ``i`` (the leaf's non-batch axes in leaf order);
-    ``replicas`` devices hold each block. Source device ``s`` (its linear index over the
-    owner axes) holds block ``block_of[s]`` and sends its owner sub-piece
-    ``replica_of[s]`` of it, ``piece`` elements, so every source sends the same amount.
-    """
-
-    mshape: tuple[int, ...]
-    grid: tuple[int, ...]
-    replicas: int
-    block_of: tuple[int, ...]
-    replica_of: tuple[int, ...]
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        return tuple(n // g for n, g in zip(self.mshape, self.grid))
-
-    @property
-    def block_size(self) -> int:
-        return math.prod(self.block_shape)
-
-    @property
-    def piece(self) -> int:
-        return -(-self.block_size // self.replicas)
-
-    @property
-    def source_order(self) -> np.ndarray:
-        """Source devices sorted by (block, sub-piece): the order that reassembles."""
-        return np.argsort(np.asarray(self.block_of) * self.replicas
-                          + np.asarray(self.replica_of), kind="stable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +131,6 @@ class StackPlan:
         return key + (self.stack.members[0].index,) if self.slots.shape[0] == 1 else key
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Channel:
     """One flat per-device buffer: each stack's slots back to back, device by device.
@@ -233,165 +185,6 @@ def executed_flops(stack: Stack) -> int:
             + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
 
 
-def lower_bound(costs: np.ndarray, n: int) -> float:
-    """A lower bound on the busiest device's load, whatever the assignment: the mean, the
-    largest unit, and for every ``k`` the ``k n + 1`` largest units, of which some device
-    gets ``k + 1`` (so at least ``k + 1`` times the smallest of them). The last matters
-    where units are few and uneven: 24 big matrices on 16 devices put two on some device,
-    which the mean (1.5 of them) does not see, and balancing state against that loose
-    bound would pile small matrices' state on the devices with one big matrix."""
-    p = np.sort(np.asarray(costs, float))[::-1]
-    bound = max(p.sum() / n, p[0] if len(p) else 0.0, 1e-30)
-    for k in range(1, (len(p) - 1) // n + 1):
-        bound = max(bound, (k + 1) * p[k * n])
-    return bound
-
-
-def _greedy(order: list[int], flops: np.ndarray, state: np.ndarray, owners: np.ndarray,
-            n: int, balance_both: bool) -> np.ndarray:
-    """Each matrix of ``order`` to the least loaded device: by FLOPs (ties: state, then
-    index), or by the larger of its FLOPs and state loads, each over its lower bound."""
-    owners = owners.copy()
-    load, held = np.zeros(n), np.zeros(n)
-    np.add.at(load, owners[owners >= 0], flops[owners >= 0])
-    np.add.at(held, owners[owners >= 0], state[owners >= 0])
-    f_bound, s_bound = lower_bound(flops, n), lower_bound(state, n)
-    index = np.arange(n)
-    for i in order:
-        if balance_both:
-            after = np.maximum((load + flops[i]) / f_bound, (held + state[i]) / s_bound)
-            d = np.lexsort((index, load + held, after))[0]
-        else:
-            d = np.lexsort((index, held, load))[0]
-        owners[i] = d
-        load[d] += flops[i]
-        held[d] += state[i]
-    return owners
-
-
-def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: int,
-                  fixed: Sequence[int] | None = None) -> np.ndarray:
-    """Owner of every matrix: greedy longest-processing-time across all stacks.
-
-    Matrices are taken from the most to the least expensive (FLOPs, then state), each to
-    the device with the least work so far, ties broken by the least state, then the
-    lowest index. For nanochat-shaped models this reaches the best whole-matrix
-    assignment of both FLOPs and state (tests/test_plan.py checks it against an exact
-    search up to N = 256). When FLOPs and state disagree more (many tiny matrices beside
-    a few large ones), a second greedy balancing both loads over their lower bounds can
-    do better; the assignment with the smaller worse ratio is kept. ``fixed[i] >= 0``
-    pins matrix ``i`` to that device (a matrix that already lives there).
-    """
-    flops, state = np.asarray(flops, float), np.asarray(state, float)
-    owners = np.full(len(flops), -1, np.int64) if fixed is None else np.asarray(fixed, np.int64)
-    order = sorted(np.flatnonzero(owners < 0).tolist(), key=lambda i: (-flops[i], -state[i], i))
-    f_bound, s_bound = lower_bound(flops, num_devices), lower_bound(state, num_devices)
-
-    def worst(o: np.ndarray) -> float:
-        f = np.bincount(o, flops, minlength=num_devices).max() / f_bound
-        s = np.bincount(o, state, minlength=num_devices).max() / s_bound
-        return max(f, s)
-
-    candidates = [_greedy(order, flops, state, owners, num_devices, both)
-                  for both in (False, True)]
-    return min(candidates, key=worst) if len(flops) else owners
-
-
-def slots_from_owners(owners: np.ndarray, num_devices: int) -> np.ndarray:
-    """``(N, S)`` table of each device's owned matrices in stack order, ``-1`` padded."""
-    return _slot_table([np.flatnonzero(owners == d) for d in range(num_devices)])
-
-
-def _slot_table(per_device: Sequence[Sequence[int]]) -> np.ndarray:
-    """Rows of stack indices, one per device, ``-1`` padded to the longest."""
-    width = max((len(p) for p in per_device), default=0)
-    slots = np.full((len(per_device), width), -1, np.int64)
-    for d, p in enumerate(per_device):
-        slots[d, :len(p)] = p
-    return slots
-
-
-# ------------------------------------------------------------------------ leaf layouts
-
-
-def axis_sizes(axes: Sequence[tuple[str, int]]) -> dict[str, int]:
-    return dict(axes)
-
-
-def device_coords(d: int, axes: Sequence[tuple[str, int]]) -> dict[str, int]:
-    """Mesh coordinates of owner-axes linear index ``d`` (first axis major)."""
-    coords = {}
-    for name, size in reversed(axes):
-        coords[name] = d % size
-        d //= size
-    return coords
-
-
-def _linear(coords: dict[str, int], names: Sequence[str], sizes: dict[str, int]) -> int:
-    i = 0
-    for name in names:
-        i = i * sizes[name] + coords[name]
-    return i
-
-
-def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
-             axes: Sequence[tuple[str, int]]) -> tuple[str, Route | None]:
-    """The transport of a Muon leaf laid out as ``spec`` (mesh axes per leaf axis).
-
-    Raises ``NotImplementedError`` for layouts this module does not move (both the batch
-    axes and the matrix axes split, or batch axes split over only some owner axes); the
-    engine then gathers such a leaf whole first.
-    """
-    sizes = axis_sizes(axes)
-    n = math.prod(sizes.values())
-    batch_split = [a for i in leaf.batch_axes for a in spec[i]]
-    matrix_axes = leaf.matrix_axes
-    matrix_split = [a for i in matrix_axes for a in spec[i]]
-    if not batch_split and not matrix_split:
-        return GATHER, None
-    if batch_split and matrix_split:
-        raise NotImplementedError("both its batch axes and its matrix axes are split")
-    if batch_split:
-        if math.prod(sizes[a] for a in batch_split) != n:
-            raise NotImplementedError("its batch axes are split over only some owner axes")
-        return LOCAL, None
-    grid = tuple(math.prod(sizes[a] for a in spec[i]) for i in matrix_axes)
-    used = set(matrix_split)
-    replica_axes = [name for name, _ in axes if name not in used]
-    block_of, replica_of = [], []
-    for d in range(n):
-        coords = device_coords(d, axes)
-        index = 0
-        for i, g in zip(matrix_axes, grid):
-            index = index * g + _linear(coords, spec[i], sizes)
-        block_of.append(index)
-        replica_of.append(_linear(coords, replica_axes, sizes))
-    mshape = tuple(leaf.shape[i] for i in matrix_axes)
-    return EXCHANGE, Route(mshape, grid, n // math.prod(grid), tuple(block_of),
-                           tuple(replica_of))
-
-
-def local_holders(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
-                  axes: Sequence[tuple[str, int]]) -> tuple[np.ndarray, list[list[int]]]:
-    """For a ``"local"`` leaf: the device holding each matrix (batch index, row-major
-    over the batch axes), and each device's matrices in its local row-major order."""
-    sizes = axis_sizes(axes)
-    n = math.prod(sizes.values())
-    bshape = [leaf.shape[i] for i in leaf.batch_axes]
-    grid = [math.prod(sizes[a] for a in spec[i]) for i in leaf.batch_axes]
-    holder = np.zeros(leaf.batch, np.int64)
-    held: list[list[int]] = [[] for _ in range(n)]
-    for d in range(n):
-        coords = device_coords(d, axes)
-        ranges = []
-        for i, size, g in zip(leaf.batch_axes, bshape, grid):
-            block = _linear(coords, spec[i], sizes)
-            ranges.append(range(block * (size // g), (block + 1) * (size // g)))
-        for idx in np.ndindex(*[len(r) for r in ranges]):
-            b = int(np.ravel_multi_index([r[k] for r, k in zip(ranges, idx)], bshape))
-            holder[b] = d
-            held[d].append(b)
-    return holder, held
 
 
 # ------------------------------------------------------------------------ the plan
@@ -476,7 +269,7 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
 def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.ndarray:
     """A local stack's slots: each device's own matrices, as stack indices."""
     start = np.cumsum([0] + [m.batch for m in stack.members])
-    return _slot_table([[int(start[i] + b) for i, b in held[d]] for d in range(n)])
+    return slot_table([[int(start[i] + b) for i, b in held[d]] for d in range(n)])
 
 
 def _state_channels(stacks: tuple[StackPlan, ...], size_of) -> dict[Any, Channel]:

@@ -39,11 +39,12 @@ import optax
 import optax.contrib
 from optax.transforms import MaskedNode, MaskedState, PartitionState
 
-from muon_optax.api.contrib import ADAM, MUON, MUON_NO_DECAY
 from muon_optax.params.labels import path_str
 from muon_optax.state.wrapped import locate
-from muon_optax.step.engine import MuonAdamWState
+from muon_optax.step.state import MuonAdamWState
 
+# The groups contrib_muon builds: its Muon leaves with and without weight decay, and Adam.
+MUON, MUON_NO_DECAY, ADAM = "muon", "muon_no_decay", "adam"
 _SIDES = ("adam", "muon")
 
 

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from muon_optax.params.layout import MatrixLeaf
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.plan.specs import to_partition_spec, typed_spec
+from muon_optax.state.init import Init, init_of
 from muon_optax.state.optax_state import (
     export_optax_state,
     holds_optax_muon_state,
@@ -45,16 +46,14 @@ from muon_optax.state.optax_state import (
 )
 from muon_optax.state.wrapped import locate
 from muon_optax.step.collectives import pad_to
-from muon_optax.step.engine import (
-    Init,
+from muon_optax.step.rows import member_rows
+from muon_optax.step.state import (
     MuonAdamWState,
+    MuonBuffers,
     check_state,
-    init_of,
     state_partition_specs,
     state_shapes,
 )
-from muon_optax.step.one_device import MuonBuffers
-from muon_optax.step.rows import member_rows
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:

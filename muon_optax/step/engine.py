@@ -26,9 +26,8 @@ engine runs its own ``shard_map`` over the params' own layouts (FSDP, tensor par
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,47 +42,20 @@ from muon_optax.plan.specs import (
     check_spec,
     normalize_spec,
     placed_specs,
-    split_spec,
-    to_partition_spec,
 )
-from muon_optax.plan.state_layout import StateLayout, layout_error, layout_of
 from muon_optax.plan.warn import warn_if_split
 from muon_optax.rule.adamw import adamw_hparams, adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
 from muon_optax.rule.muon import muon_hparams
-from muon_optax.state.wrapped import recorder
 from muon_optax.step import one_device as single
 from muon_optax.step import sharded as stacks
 from muon_optax.step.collectives import Collectives, pad_to, varying_axes
 from muon_optax.step.guard import GradStats, from_sums, global_stats, scaled, select, sums
-from muon_optax.step.one_device import MuonBuffers
+from muon_optax.step.state import MuonAdamWState, check_state, state_shapes
 from muon_optax.step.transport import Transports
 
 # Lowering-time choice of a TPU-only form; tests force that form on CPU through this name.
 platform_dependent = jax.lax.platform_dependent
-
-
-class MuonAdamWState(NamedTuple):
-    """State of :func:`muon_optax.muon_adamw`.
-
-    ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon
-    leaves; a large AdamW parameter's moments may be split over the owner axes (padded).
-    ``muon`` holds the Muon state, one :class:`MuonBuffers` per parameter (and momentum)
-    dtype, or on one device per stack.
-    :func:`muon_optax.export_state` gives the same state per parameter.
-    ``skipped`` counts the steps skipped for a non-finite gradient (int32; None unless
-    the optimizer was built with ``skip_nonfinite=True``); ``count`` does not count them.
-    ``layout``: the layout the state was made for (a :class:`StateLayout`, a node without
-    leaves, so part of the state's structure): ``update`` refuses a state made for
-    another one (:mod:`muon_optax.plan.state_layout`).
-    """
-
-    count: jax.Array                       # int32 steps taken
-    mu: Any
-    nu: Any
-    muon: tuple[MuonBuffers, ...]
-    skipped: Any = None
-    layout: StateLayout | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,45 +138,6 @@ def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...]) -> 
     return dataclasses.replace(plan, per_stack_state=one)
 
 
-def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
-    if a.axis is None:
-        return a.padded
-    return a.padded[:a.axis] + (a.padded[a.axis] // n,) + a.padded[a.axis + 1:]
-
-
-def check_state(plan: TreePlan, state: Any, want: Any, name: str,
-                 dtypes: Sequence[Any] = ()) -> None:
-    """A state made for these params (``dtypes``: theirs) and this layout, or a clear
-    error."""
-    got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
-    needed = want.layout if isinstance(want, MuonAdamWState) else None
-    other_layout = isinstance(state, MuonAdamWState) and state.layout != needed
-    if other_layout:   # the leaves first: a shape or dtype says more than a layout
-        want = want._replace(layout=state.layout)
-        want_def = jax.tree.structure(want)
-    if got_def != want_def:
-        raise ValueError(f"{name}: the state was made for other params or another optimizer "
-                         f"(its structure differs); call tx.init on these params.\n"
-                         f"state:    {got_def}\nexpected: {want_def}")
-    flat_got = jax.tree_util.tree_flatten_with_path(state)[0]
-    for (path, got), w in zip(flat_got, jax.tree.leaves(want)):
-        if tuple(got.shape) != tuple(w.shape):
-            raise ValueError(
-                f"{name}: state leaf {jax.tree_util.keystr(path)} has shape {tuple(got.shape)}"
-                f", but these params on {plan.num_devices} device(s) need {tuple(w.shape)}: "
-                "the state was made for other params, devices or layout; call tx.init on "
-                "these params, or move it with muon_optax.export_state/import_state.")
-        if got.dtype != w.dtype:
-            now = [repr(p) for p, dt in zip(plan.paths, dtypes) if dt == w.dtype][:4]
-            which = f" (now {w.dtype}: {', '.join(now)})" if now else ""
-            raise TypeError(
-                f"{name}: state leaf {jax.tree_util.keystr(path)} is {got.dtype}, but these "
-                f"params need {w.dtype}: a parameter changed dtype after tx.init{which}; "
-                "cast it back, or call tx.init on the params as they are now.")
-    if other_layout:
-        raise layout_error(name, state.layout, needed)
-
-
 # ------------------------------------------------------------------ AdamW
 
 
@@ -283,58 +216,6 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
 
 
 # ------------------------------------------------------------------ state layout
-
-
-def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: bool,
-                 skipped: bool = False) -> Any:
-    """The state as shape structs: one device's (``per_device``) or the global arrays.
-
-    ``shapes`` are the leaves' shapes as the caller sees them (a device's blocks, or the
-    global shapes); ``skipped``: the state counts skipped steps. The one truth for init,
-    the checks and the specs.
-    """
-    n = plan.num_devices
-    mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
-    for a in plan.adamw:
-        shape = shapes[a.index] if a.local else (
-            _adamw_local_shape(a, n) if per_device else a.padded)
-        mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
-        nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
-    muon = tuple(MuonBuffers(*(jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(
-        buffer_shapes(plan, key, per_device), (key[1], key[0])))) for key in plan.state_keys)
-    count = jax.ShapeDtypeStruct((), jnp.int32)
-    return MuonAdamWState(count, plan.treedef.unflatten(mu), plan.treedef.unflatten(nu),
-                          muon, count if skipped else None, layout_of(plan))
-
-
-def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
-    """The shapes of one state key's momentum and second-moment buffers.
-
-    One device (``plan.per_stack_state``): the stack's own layout, ``(K, R, C)`` and
-    ``(K, *second_shape)``, so that the kernel reads and writes its chunks without a
-    relayout. Owners: one dimension, a device's share a 1-D run of its matrices (see
-    :class:`MuonBuffers`).
-    """
-    if plan.per_stack_state:
-        (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
-        st = sp.stack
-        return (st.size, st.rows, st.cols), (st.size,) + sp.second_shape
-    rows = 1 if per_device else plan.num_devices
-    return ((rows * plan.owner.momentum[key].length,),
-            (rows * plan.owner.second[key].length,))
-
-
-def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],
-                          skipped: bool = False) -> MuonAdamWState:
-    """PartitionSpecs of the global state arrays."""
-    moments = [optax.MaskedNode()] * len(plan.paths)
-    for a in plan.adamw:
-        moments[a.index] = (to_partition_spec(plan.specs[a.index]) if a.local
-                            else split_spec(a.axis, axes))
-    tree = plan.treedef.unflatten(moments)
-    buffers = MuonBuffers(split_spec(0, axes), split_spec(0, axes))
-    return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_keys),
-                          P() if skipped else None, layout_of(plan))
 
 
 # ------------------------------------------------------------------ the step
@@ -494,82 +375,6 @@ def _needs_params(opts: Options) -> bool:
     return any(isinstance(c, MuonConfig) or c.needs_params() for c in opts.configs.values())
 
 
-class Init:
-    """``tx.init``, carrying what :func:`muon_optax.state_specs`, ``describe``,
-    ``estimate`` and the portable state need to know about the transformation."""
-
-    def __init__(self, fn: Callable, opts: Options):
-        self._fn, self.options, self.configs = fn, opts, opts.configs
-
-    def state_specs(self, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-        return state_specs_of(self.options, params, mesh)
-
-    def __call__(self, params: Any) -> MuonAdamWState:
-        rec = recorder()
-        if rec is not None:   # muon_optax.state_specs looking inside a wrapper
-            return rec.record(self, params)
-        return self._fn(params)
-
-    def global_shapes(self, params: Any,
-                      axes: tuple[tuple[str, int], ...] | None = None) -> MuonAdamWState:
-        """The state's global shape structs for ``params`` over owner ``axes`` (default:
-        the options' owner axes at their mesh's sizes, 1 without a mesh)."""
-        if axes is None:
-            mesh = dict(self.options.mesh.shape) if self.options.mesh is not None else {}
-            axes = tuple((a, mesh.get(a, 1)) for a in self.options.axes or ())
-        plan = tree_plan(self.options, params, axes)
-        leaves = plan.treedef.flatten_up_to(params)
-        return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                            per_device=False, skipped=self.options.skip_nonfinite)
-
-    def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
-        """The static plan of ``params`` (for ``num_devices`` devices along one owner
-        axis, or the mesh's owner axes)."""
-        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices))
-
-    def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
-        """Which matrices each stack holds and who owns them (inspection, benchmarks)."""
-        plan = self.plan(params, num_devices)
-        # padded: the slots every device's program holds, times the device count.
-        return [dict(shape=(sp.stack.rows, sp.stack.cols), dtype=str(sp.stack.dtype),
-                     size=sp.stack.size, transport=sp.transport, slots=sp.num_slots,
-                     padded=sp.num_slots * plan.num_devices, counts=sp.counts.tolist(),
-                     members=[m.path for m in sp.stack.members])
-                for sp in plan.owner.stacks]
-
-
-def init_of(tx: Any, where: str, hint: str = "") -> Init:
-    """The :class:`Init` of a transformation this library built (its options, plan and
-    state layout), or an error saying what ``where`` needs instead (``hint``: how)."""
-    init = getattr(tx, "init", None)
-    if not isinstance(init, Init):
-        raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
-                        "(or muon, adamw, contrib_muon) itself, not a chain or a wrapper "
-                        f"around it{hint}.")
-    return init
-
-
-def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str, int], ...]:
-    """The owner axes with their sizes, outside any mesh context."""
-    if opts.axes is None:
-        if num_devices not in (None, 1):
-            raise ValueError(f"{opts.name}: this transformation was built without axis_name; "
-                             "it runs on one device.")
-        return ()
-    if num_devices is not None:
-        if len(opts.axes) > 1 and (opts.mesh is None or
-                                   num_devices != math.prod(opts.mesh.shape[a]
-                                                            for a in opts.axes)):
-            raise ValueError(f"{opts.name}: with several owner axes {opts.axes}, give the mesh "
-                             "(mesh=) rather than a device count.")
-        if len(opts.axes) == 1:
-            return ((opts.axes[0], int(num_devices)),)
-    if opts.mesh is None:
-        raise ValueError(f"{opts.name}: pass num_devices (this transformation runs inside "
-                         "your own shard_map and does not know the mesh).")
-    return tuple((a, opts.mesh.shape[a]) for a in opts.axes)
-
-
 def local_fns(opts: Options):
     """``(init, update)`` of the one-device form and of the ``shard_map`` form (run
     inside the user's ``shard_map``, where the owner axes are bound)."""
@@ -597,15 +402,3 @@ def local_fns(opts: Options):
     return init_fn, update_fn
 
 
-def state_specs_of(opts: Options, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-    """PartitionSpecs of the state of ``params`` on ``mesh`` (for ``shard_map`` users)."""
-    if opts.axes is None:
-        raise ValueError("state_specs: this transformation was built without "
-                         "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
-    missing = [a for a in opts.axes if a not in mesh.shape]
-    if missing:
-        raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
-                         f"{missing[0]!r}.")
-    axes = tuple((a, mesh.shape[a]) for a in opts.axes)
-    return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
-                                 skipped=opts.skip_nonfinite)

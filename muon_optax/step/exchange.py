@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.plan.plan import EXCHANGE, OwnerPlan, StackPlan
+from muon_optax.plan.plan import OwnerPlan, StackPlan
+from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.order import after
 from muon_optax.step.collectives import Collectives, flat_rows, row_slice
 from muon_optax.step.rows import (

@@ -19,17 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax.plan.plan import TreePlan
 from muon_optax.plan.specs import normalize_spec, to_partition_spec, typed_spec
-from muon_optax.step.engine import (
-    Options,
-    check_state,
-    check_update_args,
-    local_init,
-    local_update,
-    state_partition_specs,
-    state_shapes,
-    tree_plan,
-)
+from muon_optax.step.engine import Options, check_update_args, local_init, local_update, tree_plan
 from muon_optax.step.guard import GradStats, global_stats
+from muon_optax.step.state import check_state, state_partition_specs, state_shapes
 
 
 def wrap_in_shard_map(opts: Options):

@@ -23,13 +23,8 @@ from muon_optax.rule.hparams import MuonConfig
 from muon_optax.rule.muon import MuonStackState, muon_step
 from muon_optax.rule.order import after
 from muon_optax.step.collectives import Collectives, varying_axes
-from muon_optax.step.one_device import (
-    MuonBuffers,
-    chunk_bytes,
-    chunks,
-    finish_leaves,
-    matrix_hparams,
-)
+from muon_optax.step.matrices import chunk_bytes, chunks, finish_leaves, matrix_hparams
+from muon_optax.step.state import MuonBuffers
 from muon_optax.step.transport import Transports
 
 

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.params.layout import MatrixLeaf
-from muon_optax.plan.plan import EXCHANGE, GATHER, LOCAL, OwnerPlan
+from muon_optax.plan.plan import OwnerPlan
+from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL
 from muon_optax.rule.order import after
 from muon_optax.step.collectives import Collectives
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource

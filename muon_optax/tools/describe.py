@@ -9,7 +9,7 @@ import optax
 
 from muon_optax.params.variables import unbox, unboxed_structure
 from muon_optax.rule.hparams import MuonConfig
-from muon_optax.step.engine import init_of
+from muon_optax.state.init import init_of
 
 
 def describe(tx: optax.GradientTransformation, params: Any, *,

@@ -20,9 +20,10 @@ from muon_optax.params.labels import path_str
 from muon_optax.params.variables import unbox, unboxed_structure
 from muon_optax.plan.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
 from muon_optax.plan.specs import check_spec, normalize_spec
-from muon_optax.step.engine import init_of, state_shapes
+from muon_optax.state.init import init_of
 from muon_optax.step.guard import stats_sent
 from muon_optax.step.jit_mode import entry_sent
+from muon_optax.step.state import state_shapes
 from muon_optax.step.transport import Transports
 
 # Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay),
@@ -93,7 +94,7 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
     local_shapes = [tuple(d // math.prod(sizes[a] for a in entry)
                           for d, entry in zip(x.shape, spec))
                     for x, spec in zip(leaves, plan.specs)]
-    # the state as init makes it on one device (engine.state_shapes, the one truth)
+    # the state as init makes it on one device (step.state.state_shapes, the one truth)
     state = state_shapes(plan, local_shapes, [x.dtype for x in leaves], per_device=True,
                          skipped=opts.skip_nonfinite)
     state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize

@@ -1,0 +1,107 @@
+"""``tx.init``: the function, and the options behind it that ``state_specs``,
+``describe``, ``estimate`` and the portable state read; inside an optax wrapper it
+answers the wrapper's search for muon_optax's state (:mod:`muon_optax.state.wrapped`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from muon_optax.plan.plan import TreePlan
+from muon_optax.state.wrapped import recorder
+from muon_optax.step.engine import Options, tree_plan
+from muon_optax.step.state import MuonAdamWState, state_partition_specs, state_shapes
+
+
+class Init:
+    """``tx.init``, carrying what :func:`muon_optax.state_specs`, ``describe``,
+    ``estimate`` and the portable state need to know about the transformation."""
+
+    def __init__(self, fn: Callable, opts: Options):
+        self._fn, self.options, self.configs = fn, opts, opts.configs
+
+    def state_specs(self, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
+        return state_specs_of(self.options, params, mesh)
+
+    def __call__(self, params: Any) -> MuonAdamWState:
+        rec = recorder()
+        if rec is not None:   # muon_optax.state_specs looking inside a wrapper
+            return rec.record(self, params)
+        return self._fn(params)
+
+    def global_shapes(self, params: Any,
+                      axes: tuple[tuple[str, int], ...] | None = None) -> MuonAdamWState:
+        """The state's global shape structs for ``params`` over owner ``axes`` (default:
+        the options' owner axes at their mesh's sizes, 1 without a mesh)."""
+        if axes is None:
+            mesh = dict(self.options.mesh.shape) if self.options.mesh is not None else {}
+            axes = tuple((a, mesh.get(a, 1)) for a in self.options.axes or ())
+        plan = tree_plan(self.options, params, axes)
+        leaves = plan.treedef.flatten_up_to(params)
+        return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
+                            per_device=False, skipped=self.options.skip_nonfinite)
+
+    def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
+        """The static plan of ``params`` (for ``num_devices`` devices along one owner
+        axis, or the mesh's owner axes)."""
+        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices))
+
+    def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
+        """Which matrices each stack holds and who owns them (inspection, benchmarks)."""
+        plan = self.plan(params, num_devices)
+        # padded: the slots every device's program holds, times the device count.
+        return [dict(shape=(sp.stack.rows, sp.stack.cols), dtype=str(sp.stack.dtype),
+                     size=sp.stack.size, transport=sp.transport, slots=sp.num_slots,
+                     padded=sp.num_slots * plan.num_devices, counts=sp.counts.tolist(),
+                     members=[m.path for m in sp.stack.members])
+                for sp in plan.owner.stacks]
+
+
+def init_of(tx: Any, where: str, hint: str = "") -> Init:
+    """The :class:`Init` of a transformation this library built (its options, plan and
+    state layout), or an error saying what ``where`` needs instead (``hint``: how)."""
+    init = getattr(tx, "init", None)
+    if not isinstance(init, Init):
+        raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
+                        "(or muon, adamw, contrib_muon) itself, not a chain or a wrapper "
+                        f"around it{hint}.")
+    return init
+
+
+def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str, int], ...]:
+    """The owner axes with their sizes, outside any mesh context."""
+    if opts.axes is None:
+        if num_devices not in (None, 1):
+            raise ValueError(f"{opts.name}: this transformation was built without axis_name; "
+                             "it runs on one device.")
+        return ()
+    if num_devices is not None:
+        if len(opts.axes) > 1 and (opts.mesh is None or
+                                   num_devices != math.prod(opts.mesh.shape[a]
+                                                            for a in opts.axes)):
+            raise ValueError(f"{opts.name}: with several owner axes {opts.axes}, give the mesh "
+                             "(mesh=) rather than a device count.")
+        if len(opts.axes) == 1:
+            return ((opts.axes[0], int(num_devices)),)
+    if opts.mesh is None:
+        raise ValueError(f"{opts.name}: pass num_devices (this transformation runs inside "
+                         "your own shard_map and does not know the mesh).")
+    return tuple((a, opts.mesh.shape[a]) for a in opts.axes)
+
+
+def state_specs_of(opts: Options, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
+    """PartitionSpecs of the state of ``params`` on ``mesh`` (for ``shard_map`` users)."""
+    if opts.axes is None:
+        raise ValueError("state_specs: this transformation was built without "
+                         "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
+    missing = [a for a in opts.axes if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
+                         f"{missing[0]!r}.")
+    axes = tuple((a, mesh.shape[a]) for a in opts.axes)
+    return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
+                                 skipped=opts.skip_nonfinite)

@@ -1,0 +1,69 @@
+"""What the one-device and the sharded Muon phases share: each matrix's hyperparameters,
+stacks cut into chunks under a byte budget, and the per-leaf finish (the cautious
+update in the leaf's own layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from muon_optax.params.layout import Stack
+from muon_optax.plan.plan import TreePlan
+from muon_optax.rule.muon import leaf_update
+
+
+def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
+                   pick: Callable[[np.ndarray], Any]) -> dict[str, Any]:
+    """``momentum``, ``beta2`` and ``transposed`` of the matrices ``slots`` (stack
+    indices, ``(devices, n)``; ``-1``: unowned, read as matrix 0) as :func:`muon_step`
+    takes them: scalars when uniform, else per matrix. ``pick`` takes a device's row of a
+    ``(devices, n)`` table (the identity's row 0 on one device)."""
+    members = stack.members
+    member_of = np.repeat(np.arange(len(members)), [m.batch for m in members])
+    slots = np.maximum(slots, 0)
+    groups = sorted({m.group for m in members})
+    out: dict[str, Any] = {}
+    for key in ("momentum", "beta2"):
+        if len(groups) == 1:
+            out[key] = hps[groups[0]][key]
+        else:  # a stack shared by groups: each matrix's group value
+            index = np.vectorize(lambda i: groups.index(members[member_of[i]].group))(slots)
+            table = jnp.stack([hps[g][key] for g in groups])
+            out[key] = table[jnp.asarray(pick(index))][:, None, None]
+    flags = np.vectorize(lambda i: members[member_of[i]].transposed)(slots)
+    if (flags == flags.flat[0]).all():
+        out["transposed"] = bool(flags.flat[0])
+    else:
+        out["transposed"] = jnp.asarray(pick(flags))
+    return out
+
+
+def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict,
+                  scales: dict, p_leaves, updates: list, only=None) -> None:
+    """Steps 8-9 per Muon leaf (``only`` these, else all), in its own layout:
+    ``adaptive``'s ``<U, O>`` (summed over the leaf, ``scales``) and the cautious update,
+    into ``updates``."""
+    for m in plan.muon if only is None else only:
+        hp, o = hps[m.group], directions[m.index]
+        if m.index in scales:
+            o = o.astype(jnp.float32) * scales[m.index]
+        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
+                                       rows=m.rows, cols=m.cols, cfg=configs[m.group])
+
+
+def chunk_bytes(plan: TreePlan) -> int:
+    """The budget of one chunk: the largest Muon matrix's float32 bytes. The step's
+    temporaries then scale with one large matrix, as optax's do, while smaller matrices
+    still go several to a batched chunk."""
+    return max([1] + [4 * sp.stack.rows * sp.stack.cols for sp in plan.owner.stacks])
+
+
+def chunks(size: int, matrix_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of a stack's ``size`` matrices, each at most ``budget``
+    bytes (at least one matrix)."""
+    per = max(1, budget // matrix_bytes)
+    return [(lo, min(lo + per, size)) for lo in range(0, size, per)]

@@ -1,0 +1,148 @@
+"""The optimizer's state: its structure, its shapes on one device or globally, its
+``PartitionSpec``s, and the check that a state fits the params it is given.
+
+Every other place that needs the state's shapes (init, the checks, ``state_specs``,
+``estimate``, the portable state) takes them from :func:`state_shapes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from muon_optax.plan.plan import TreePlan
+from muon_optax.plan.specs import split_spec, to_partition_spec
+from muon_optax.plan.state_layout import StateLayout, layout_error, layout_of
+
+
+class MuonBuffers(NamedTuple):
+    """The Muon state of the stacks of one state key, as 1-D ``(N * L,)`` arrays split
+    over the owner axes: elements ``d L .. (d + 1) L - 1`` are device ``d``'s share, the
+    momenta (resp. NorMuon second moments) of the matrices it owns, back to back, stack
+    by stack. On one device, one stack's: its matrices' momenta in stack order.
+
+    One dimension, not ``(N, L)``: a device's ``(1, L)`` share is tiled on a TPU, and
+    writing a ``(K, R, C)`` stack into it is a relayout that took the TPU compiler 5 s
+    per stack of sixteen 256 x 1024 matrices (0.4 s into a 1-D buffer)."""
+
+    momentum: jax.Array
+    second_moment: jax.Array
+
+
+class MuonAdamWState(NamedTuple):
+    """State of :func:`muon_optax.muon_adamw`.
+
+    ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon
+    leaves; a large AdamW parameter's moments may be split over the owner axes (padded).
+    ``muon`` holds the Muon state, one :class:`MuonBuffers` per parameter (and momentum)
+    dtype, or on one device per stack.
+    :func:`muon_optax.export_state` gives the same state per parameter.
+    ``skipped`` counts the steps skipped for a non-finite gradient (int32; None unless
+    the optimizer was built with ``skip_nonfinite=True``); ``count`` does not count them.
+    ``layout``: the layout the state was made for (a :class:`StateLayout`, a node without
+    leaves, so part of the state's structure): ``update`` refuses a state made for
+    another one (:mod:`muon_optax.plan.state_layout`).
+    """
+
+    count: jax.Array                       # int32 steps taken
+    mu: Any
+    nu: Any
+    muon: tuple[MuonBuffers, ...]
+    skipped: Any = None
+    layout: StateLayout | None = None
+
+
+def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
+    if a.axis is None:
+        return a.padded
+    return a.padded[:a.axis] + (a.padded[a.axis] // n,) + a.padded[a.axis + 1:]
+
+
+def check_state(plan: TreePlan, state: Any, want: Any, name: str,
+                 dtypes: Sequence[Any] = ()) -> None:
+    """A state made for these params (``dtypes``: theirs) and this layout, or a clear
+    error."""
+    got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
+    needed = want.layout if isinstance(want, MuonAdamWState) else None
+    other_layout = isinstance(state, MuonAdamWState) and state.layout != needed
+    if other_layout:   # the leaves first: a shape or dtype says more than a layout
+        want = want._replace(layout=state.layout)
+        want_def = jax.tree.structure(want)
+    if got_def != want_def:
+        raise ValueError(f"{name}: the state was made for other params or another optimizer "
+                         f"(its structure differs); call tx.init on these params.\n"
+                         f"state:    {got_def}\nexpected: {want_def}")
+    flat_got = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, got), w in zip(flat_got, jax.tree.leaves(want)):
+        if tuple(got.shape) != tuple(w.shape):
+            raise ValueError(
+                f"{name}: state leaf {jax.tree_util.keystr(path)} has shape {tuple(got.shape)}"
+                f", but these params on {plan.num_devices} device(s) need {tuple(w.shape)}: "
+                "the state was made for other params, devices or layout; call tx.init on "
+                "these params, or move it with muon_optax.export_state/import_state.")
+        if got.dtype != w.dtype:
+            now = [repr(p) for p, dt in zip(plan.paths, dtypes) if dt == w.dtype][:4]
+            which = f" (now {w.dtype}: {', '.join(now)})" if now else ""
+            raise TypeError(
+                f"{name}: state leaf {jax.tree_util.keystr(path)} is {got.dtype}, but these "
+                f"params need {w.dtype}: a parameter changed dtype after tx.init{which}; "
+                "cast it back, or call tx.init on the params as they are now.")
+    if other_layout:
+        raise layout_error(name, state.layout, needed)
+
+
+def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: bool,
+                 skipped: bool = False) -> Any:
+    """The state as shape structs: one device's (``per_device``) or the global arrays.
+
+    ``shapes`` are the leaves' shapes as the caller sees them (a device's blocks, or the
+    global shapes); ``skipped``: the state counts skipped steps. The one truth for init,
+    the checks and the specs.
+    """
+    n = plan.num_devices
+    mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
+    for a in plan.adamw:
+        shape = shapes[a.index] if a.local else (
+            _adamw_local_shape(a, n) if per_device else a.padded)
+        mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
+        nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
+    muon = tuple(MuonBuffers(*(jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(
+        buffer_shapes(plan, key, per_device), (key[1], key[0])))) for key in plan.state_keys)
+    count = jax.ShapeDtypeStruct((), jnp.int32)
+    return MuonAdamWState(count, plan.treedef.unflatten(mu), plan.treedef.unflatten(nu),
+                          muon, count if skipped else None, layout_of(plan))
+
+
+def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
+    """The shapes of one state key's momentum and second-moment buffers.
+
+    One device (``plan.per_stack_state``): the stack's own layout, ``(K, R, C)`` and
+    ``(K, *second_shape)``, so that the kernel reads and writes its chunks without a
+    relayout. Owners: one dimension, a device's share a 1-D run of its matrices (see
+    :class:`MuonBuffers`).
+    """
+    if plan.per_stack_state:
+        (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
+        st = sp.stack
+        return (st.size, st.rows, st.cols), (st.size,) + sp.second_shape
+    rows = 1 if per_device else plan.num_devices
+    return ((rows * plan.owner.momentum[key].length,),
+            (rows * plan.owner.second[key].length,))
+
+
+def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],
+                          skipped: bool = False) -> MuonAdamWState:
+    """PartitionSpecs of the global state arrays."""
+    moments = [optax.MaskedNode()] * len(plan.paths)
+    for a in plan.adamw:
+        moments[a.index] = (to_partition_spec(plan.specs[a.index]) if a.local
+                            else split_spec(a.axis, axes))
+    tree = plan.treedef.unflatten(moments)
+    buffers = MuonBuffers(split_spec(0, axes), split_spec(0, axes))
+    return MuonAdamWState(P(), tree, tree, tuple(buffers for _ in plan.state_keys),
+                          P() if skipped else None, layout_of(plan))
