@@ -24,7 +24,7 @@ import muon_optax
 from benchmarks import common
 from muon_optax.rule.muon import MuonStackState, muon_step
 from muon_optax.rule.order import after
-from muon_optax.step import one_device as single
+from muon_optax.step import one_device
 from muon_optax.step.matrices import finish_leaves, matrix_hparams
 
 
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     def flat(bufs):
         updates = [None] * len(g_leaves)
         hps = {n: c.at(count) for n, c in configs.items()}
-        new = single.muon_phase(plan, configs, hps, count, g_leaves, p_leaves, bufs, None,
+        new = one_device.muon_phase(plan, configs, hps, count, g_leaves, p_leaves, bufs, None,
                                 updates)
         return [updates[m.index] for m in plan.muon], new
 

@@ -1,5 +1,5 @@
 """The TPU's form of the one-device Muon phase: a stack's equal chunks run as one kernel
-in a loop (``single._run_in_loop``), forced onto XLA:CPU with ``single.FORCE_LOOP``.
+in a loop (``one_device._run_in_loop``), forced onto XLA:CPU with ``one_device.FORCE_LOOP``.
 
 It must give the chunk-by-chunk form's numbers bit for bit, and the program must hold a
 number of kernels that does not grow with the number of layers.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import muon_optax
-from muon_optax.step import one_device as single
+from muon_optax.step import one_device
 
 
 def _params(layers, d=16, dtype=jnp.float32):
@@ -42,8 +42,8 @@ def _tx(params, mixed=False):
 
 
 def _run(params, tx, loop, steps=3, grad_dtype=None):
-    old = single.FORCE_LOOP
-    single.FORCE_LOOP = loop
+    old = one_device.FORCE_LOOP
+    one_device.FORCE_LOOP = loop
     try:
         step = jax.jit(tx.update)
         state, out = tx.init(params), []
@@ -56,13 +56,13 @@ def _run(params, tx, loop, steps=3, grad_dtype=None):
             out.append(updates)
         return params, state, out
     finally:
-        single.FORCE_LOOP = old
+        one_device.FORCE_LOOP = old
 
 
 @pytest.mark.parametrize("case", ["plain", "mixed_groups", "adaptive", "ragged"])
 def test_loop_is_the_chunked_form_bit_for_bit(case, monkeypatch):
     if case == "ragged":   # 5 layers in runs of 2 chunks: a last run of one chunk
-        monkeypatch.setattr(single, "LOOP_CHUNKS", 2)
+        monkeypatch.setattr(one_device, "LOOP_CHUNKS", 2)
     params = _params(5 if case == "ragged" else 4)
     if case == "adaptive":   # optax's rule: <U, O> summed over each leaf
         tx = muon_optax.contrib_muon(0.02, adaptive=True, weight_decay=0.1)
@@ -85,17 +85,17 @@ def test_loop_with_gradients_in_another_dtype():
 def _kernels(layers, loop):
     params = _params(layers)
     tx = _tx(params)
-    old = single.FORCE_LOOP
-    single.FORCE_LOOP = loop
+    old = one_device.FORCE_LOOP
+    one_device.FORCE_LOOP = loop
     try:
         text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
     finally:
-        single.FORCE_LOOP = old
+        one_device.FORCE_LOOP = old
     return len(re.findall(r"stablehlo\.dot_general", text)), text.count("stablehlo.while")
 
 
 def test_kernels_do_not_grow_with_layers(monkeypatch):
-    monkeypatch.setattr(single, "LOOP_CHUNKS", 64)
+    monkeypatch.setattr(one_device, "LOOP_CHUNKS", 64)
     # Three stacks (squares, fc, proj), each one kernel in a loop, for 2 or 8 layers.
     assert _kernels(2, True) == _kernels(8, True)
     # Chunk by chunk, the program grows with the layers.

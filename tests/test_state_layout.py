@@ -4,6 +4,8 @@ The same params on the same 4 devices, first replicated, then split along their 
 axis: the Muon buffers have the same shapes, but their rows belong to other matrices.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +51,12 @@ def test_state_made_for_another_layout_is_refused_and_export_import_moves_it():
     g_split = place(mesh, grads[1], by_layer)
     with pytest.raises(ValueError, match="another layout.*export_state.*import_state"):
         tx.update(g_split, state, p_split)
-    with pytest.raises(ValueError, match="another layout"):
-        jax.jit(tx.update)(g_split, state, p_split)
+    # Under jax.jit on Auto axes traced params do not show their layout: the step takes
+    # them as laid out as the state records (XLA moves them there): the replicated step.
+    jitted = jax.jit(tx.update)(g_split, state, p_split)
+    replicated_step = jax.jit(tx.update)(place(mesh, grads[1], replicated), state, p_rep)
+    for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(replicated_step)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # the hop done right follows the one-device run
     moved = muon_optax.import_state(tx, muon_optax.export_state(tx, state, p_rep), p_split)
@@ -76,3 +82,28 @@ def test_layout_is_static_structure_and_the_same_for_the_same_layout():
     assert len(jax.tree.leaves(a)) == len(jax.tree.leaves(a._replace(layout=None)))
     assert a.layout.devices == 4 and "gather" in a.layout.transports
     assert "local" in c.layout.transports
+
+
+def test_the_layouts_seen_at_init_travel_in_the_state_not_in_the_transformation():
+    """An eager init on placed params records their layouts in the state; a second,
+    freshly built transformation (never shown placed params) steps that state under
+    ``jax.jit`` on Auto axes, where traced params do not show their layout, exactly as
+    the first: the layout is the state's, not hidden in the object that made it."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, grads, labels = problem()
+    specs = {"blocks": P(None, "data"), "bias": P()}
+    params, grads = place(mesh, params, specs), [place(mesh, g, specs) for g in grads]
+
+    def make():
+        return muon_optax.muon_adamw(GROUPS, labels, axis_name="data", mesh=mesh)
+
+    state = make().init(params)
+    assert state.layout.specs == (((),), ((), ("data",), ())), state.layout
+    steps = [jax.jit(tx.update) for tx in (make(), make())]
+    (u1, s1), (u2, s2) = (step(grads[0], state, params) for step in steps)
+    for a, b in zip(jax.tree.leaves((u1, s1)), jax.tree.leaves((u2, s2))):
+        np.testing.assert_array_equal(a, b)
+    # Without the recorded layouts (a state made abstractly) a traced update cannot tell.
+    bare = state._replace(layout=dataclasses.replace(state.layout, specs=None))
+    with pytest.raises(ValueError, match="param_specs"):
+        jax.jit(make().update)(grads[0], bare, params)

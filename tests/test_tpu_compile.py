@@ -109,13 +109,13 @@ def lowered_kernels(layers: int, chips) -> tuple[int, int]:
 
 @needs_libtpu
 def test_one_chip_kernels_do_not_grow_with_layers(chips, monkeypatch):
-    from muon_optax.step import one_device as single
+    from muon_optax.step import one_device
 
     # Each stack (squares, c_fc, c_proj) has one chunk per block, in loops of up to 4
     # chunks: 2 or 4 blocks are 3 kernels, 8 blocks 6 (one per chunk: 6, 12, 24).
     dots = {n: lowered_kernels(n, chips)[0] for n in (2, 4, 8)}
     assert dots[2] == dots[4] and dots[8] == 2 * dots[4], dots
-    monkeypatch.setattr(single, "LOOP_CHUNKS", 64)   # every stack one loop
+    monkeypatch.setattr(one_device, "LOOP_CHUNKS", 64)   # every stack one loop
     assert lowered_kernels(8, chips) == lowered_kernels(2, chips)
 
 

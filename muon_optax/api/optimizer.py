@@ -98,7 +98,8 @@ def muon_adamw(
         ``nnx.get_partition_spec(state)``), a callable params -> such a tree, or one
         ``PartitionSpec`` for all (``P()``: replicated). Needed only on meshes of
         ``AxisType.Auto`` axes under ``jax.jit``, whose layouts are not in the types,
-        when ``init`` was not called eagerly on the placed params (which learns them);
+        when ``init`` was not called eagerly on the placed params (whose state records
+        them);
         without either, tracing ``init`` or ``update`` raises. On ``AxisType.Explicit``
         axes the types carry the layouts.
       small_param_threshold: under ``axis_name``, AdamW params whole on every device with

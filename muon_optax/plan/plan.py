@@ -314,8 +314,10 @@ class TreePlan:
     muon: tuple[MatrixLeaf, ...]
     owner: OwnerPlan
     # One device (no owner axes, or mesh= on one device): each stack's Muon state in the
-    # stack's own (K, R, C) layout, run by muon_optax.single.
+    # stack's own (K, R, C) layout, run by muon_optax.step.one_device.
     per_stack_state: bool = False
+    # mesh=: each leaf's layout as read from the placed params, recorded in the state.
+    given: tuple[Spec, ...] | None = None
 
     @property
     def num_devices(self) -> int:

@@ -145,23 +145,21 @@ def placement_spec(x: Any, path: str) -> Spec | None:
 
 
 def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding.Mesh,
-                 learned: dict, where: str) -> list[Spec]:
+                 known: Sequence[Spec] | None, where: str) -> list[Spec]:
     """Each leaf's layout over ``mesh`` when no ``param_specs`` were given.
 
-    Read from the leaves (:func:`placement_spec`) and remembered in ``learned`` (keyed
-    by structure and shapes): ``nnx.Optimizer`` and most users call ``init`` eagerly on
-    placed params, then ``update`` under ``jax.jit``, where on ``AxisType.Auto`` axes a
-    traced leaf's type does not say how it is split. Taking such a leaf as replicated
-    would make XLA gather it whole every step, so where the layout was never seen this
-    raises instead.
+    Read from the leaves (:func:`placement_spec`), else from ``known``: the layouts
+    recorded in the state when it was made (``init`` eagerly on placed params, as
+    ``nnx.Optimizer`` and most users call it), for ``update`` under ``jax.jit``, where on
+    ``AxisType.Auto`` axes a traced leaf's type does not say how it is split. Taking such
+    a leaf as replicated would make XLA gather it whole every step, so where the layout
+    was never seen this raises instead.
     """
     specs = [placement_spec(x, p) for x, p in zip(leaves, paths)]
-    key = (tuple(paths), tuple(tuple(x.shape) for x in leaves))
     if all(s is not None for s in specs):
-        learned[key] = specs
         return specs
-    if key in learned:
-        return [s if s is not None else known for s, known in zip(specs, learned[key])]
+    if known is not None and len(known) == len(specs):
+        return [s if s is not None else k for s, k in zip(specs, known)]
     auto = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
             if t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1]
     if not auto:
@@ -172,8 +170,8 @@ def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding
         "AxisType.Auto, so its layout is not in its type and the optimizer cannot tell how "
         "it is split. Pass param_specs= (a tree of PartitionSpecs like the params, such as "
         "nnx.get_partition_spec(state), or P() if all are replicated), or call tx.init "
-        "eagerly on the placed params first (as nnx.Optimizer does) so that it learns their "
-        "layout, or build the mesh with AxisType.Explicit axes.")
+        "eagerly on the placed params first (as nnx.Optimizer does) so that its state records "
+        "their layout, or build the mesh with AxisType.Explicit axes.")
 
 
 def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int],

@@ -7,7 +7,9 @@ whose rows belong to other matrices: a state made for one layout and used with a
 would update the wrong matrices without any shape error. So every state carries a
 :class:`StateLayout`, a pytree node without leaves whose value is part of the treedef:
 comparing it costs nothing at run time (``jax.jit`` compares treedefs when it traces),
-and ``update`` refuses a state whose layout is not the one its params now have.
+and ``update`` refuses a state whose layout is not the one its params now have (as far
+as it sees them: traced params on ``AxisType.Auto`` axes under ``jax.jit`` do not show
+theirs, and are taken as laid out as the state records).
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ class StateLayout:
     A pytree node with no leaves (``jax.tree_util.register_static``): two states of
     different layouts differ in structure, not in values. ``transports`` only describes
     (how the matrices travel does not change what the buffers hold: a state made for
-    replicated params serves FSDP-split ones whenever the owners agree).
+    replicated params serves FSDP-split ones whenever the owners agree). ``specs``: the
+    ``mesh=`` form's params' layouts when the state was made (an eager ``init`` sees
+    them placed), read by ``update`` where a traced param's type does not show its
+    layout (``AxisType.Auto`` axes under ``jax.jit``).
     """
 
     devices: int
     digest: str
     transports: str = dataclasses.field(default="", compare=False)
+    specs: tuple | None = dataclasses.field(default=None, compare=False)
 
     def describe(self) -> str:
         stacks = f", Muon stacks {self.transports}" if self.transports else ""
@@ -64,7 +70,7 @@ def layout_of(plan: Any) -> StateLayout:
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
     counts = collections.Counter(sp.transport for sp in owner.stacks)
     transports = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-    return StateLayout(owner.num_devices, digest, transports)
+    return StateLayout(owner.num_devices, digest, transports, getattr(plan, "given", None))
 
 
 def layout_error(name: str, got: Any, want: StateLayout) -> ValueError:

@@ -45,10 +45,12 @@ class Init:
         return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
                             per_device=False, skipped=self.options.skip_nonfinite)
 
-    def plan(self, params: Any, num_devices: int | None = None) -> TreePlan:
+    def plan(self, params: Any, num_devices: int | None = None, state: Any = None) -> TreePlan:
         """The static plan of ``params`` (for ``num_devices`` devices along one owner
-        axis, or the mesh's owner axes)."""
-        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices))
+        axis, or the mesh's owner axes; ``state``: one made for them, whose layout says
+        how traced params on Auto axes are laid out)."""
+        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices),
+                         state)
 
     def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
         """Which matrices each stack holds and who owns them (inspection, benchmarks)."""

@@ -56,7 +56,8 @@ from muon_optax.step.state import (
 )
 
 
-def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan:
+def _plan(tx: Any, params: Any, num_devices: int | None, where: str,
+          state: Any = None) -> TreePlan:
     init = init_of(tx, where, ": import the state of the one you wrapped and put it in the "
                    "wrapper's state (e.g. (optax.EmptyState(), state) for "
                    "optax.chain(optax.clip(1.0), tx))")
@@ -68,7 +69,7 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str) -> TreePlan
                          "not know the device count: pass num_devices=.")
     elif opts.mesh is not None:
         num_devices = None
-    return init.plan(params, num_devices)
+    return init.plan(params, num_devices, state)
 
 
 def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
@@ -169,7 +170,7 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     if num_devices is None and getattr(tx.init, "options", None) is not None \
             and tx.init.options.mesh is None and tx.init.options.axes is not None:
         num_devices = _state_devices(tx, state, params)
-    plan = _plan(tx, params, num_devices, "export_state")
+    plan = _plan(tx, params, num_devices, "export_state", state)
     _check(plan, state, params, "export_state", _skips(tx))
     mesh = _explicit_mesh(tx, (state, params))
     if mesh is None:

@@ -72,19 +72,17 @@ class Options:
     name: str
     max_grad_norm: float | None = None
     skip_nonfinite: bool = False
-    # Layouts seen on placed params (eager init), for the same params traced later under
-    # jax.jit on AxisType.Auto axes, whose types do not carry them.
-    learned: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 # ------------------------------------------------------------------ plans
 
 
-def leaf_specs(opts: Options, params: Any) -> list | None:
+def leaf_specs(opts: Options, params: Any, known: Any = None) -> list | None:
     """Each leaf's layout over ``opts.mesh`` (None in the shard_map and one-device forms).
 
     From ``param_specs`` if given (one ``PartitionSpec`` for all leaves, or a tree),
-    else from the leaves themselves (:func:`muon_optax.plan.specs.placed_specs`).
+    else from the leaves themselves or, where a traced leaf does not show it, from
+    ``known``: the layouts the state was made for (:func:`muon_optax.plan.specs.placed_specs`).
     """
     if opts.mesh is None:
         return None
@@ -102,7 +100,7 @@ def leaf_specs(opts: Options, params: Any) -> list | None:
                              "a tree).") from e
         specs = [normalize_spec(s, len(x.shape), p) for s, x, p in zip(given, leaves, paths)]
     else:
-        specs = placed_specs(leaves, paths, opts.mesh, opts.learned, opts.name)
+        specs = placed_specs(leaves, paths, opts.mesh, known, opts.name)
     for s, x, p in zip(specs, leaves, paths):
         _check_mesh(x, opts, p)
         check_spec(s, x.shape, dict(opts.mesh.shape), p)
@@ -128,14 +126,22 @@ def _check_mesh(x: Any, opts: Options, path: str) -> None:
                          "the params' mesh.")
 
 
-def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...]) -> TreePlan:
+def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...],
+              state: Any = None) -> TreePlan:
+    """The plan of ``params``; ``state``: the state ``update`` was given, whose layout
+    records the params' layouts seen when it was made (:func:`leaf_specs`)."""
+    known = getattr(getattr(state, "layout", None), "specs", None)
+    specs = leaf_specs(opts, params, known)
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
-                          axes, leaf_specs(opts, params), opts.threshold, opts.name)
+                          axes, specs, opts.threshold, opts.name)
     # One device runs the plain path (muon_optax.step.one_device), also under mesh= (whose
     # gradients are already reduced). ZeRO-2 on a one-device axis keeps the sharded
     # path: its collectives make the per-device gradients replicated.
     one = plan.num_devices == 1 and (opts.axes is None or opts.mesh is not None)
-    return dataclasses.replace(plan, per_stack_state=one)
+    # The layouts read from placed params are recorded in the state (param_specs are not:
+    # the options hold them).
+    seen = None if specs is None or opts.param_specs is not None else tuple(specs)
+    return dataclasses.replace(plan, per_stack_state=one, given=seen)
 
 
 # ------------------------------------------------------------------ AdamW

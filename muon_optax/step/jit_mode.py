@@ -70,7 +70,7 @@ def wrap_in_shard_map(opts: Options):
         _outside_shard_map(name)
         check_update_args(opts, grads, params)
         ref = params if params is not None else grads
-        plan = tree_plan(opts, ref, axes)
+        plan = tree_plan(opts, ref, axes, state)
         leaves = plan.treedef.flatten_up_to(ref)
         check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
                                                [x.dtype for x in leaves], per_device=False,

@@ -1,4 +1,5 @@
-"""Moving Muon matrices to their owners and their directions back (see :mod:`plan`).
+"""Moving Muon matrices to their owners and their directions back (the transports of
+:mod:`muon_optax.plan.routes`).
 
 Each stack reads its owned matrices through a *source* and writes their directions into
 a *sink*, from which every device gets its leaves' directions back. One source and one
