@@ -264,7 +264,6 @@ class Transports:
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
-        self.scale: jax.Array | None = None   # max_grad_norm's factor, set before load
         self.sources: dict[Any, Source] = {}
         self.sinks: dict[Any, Sink] = {}
         for dt in owner.gather:
@@ -292,14 +291,16 @@ class Transports:
         sp = self.owner.stacks[k]
         return LOCAL if sp.transport == LOCAL else (sp.transport, sp.stack.dtype)
 
-    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+    def load(self, k: int, j0: int, n: int, prev: jax.Array | None,
+             scale: jax.Array | None) -> jax.Array:
+        """Slots ``j0 .. j0+n`` of stack ``k`` times ``scale`` (the clip factor, or None)."""
         key = self._key(k)
         if key[0] == EXCHANGE and self.sinks[key].stored is not None:
             # On TPU an exchange load waits for the last store (its direction cut into
             # the holders' blocks, or the pieces it completed sent), so that no
             # direction waits for the end of the Muon loop to be stored.
             prev = self.sinks[key].stored
-        return scaled(self.sources[key].load(k, j0, n, prev), self.scale)
+        return scaled(self.sources[key].load(k, j0, n, prev), scale)
 
     def reduced_buffers(self) -> list[jax.Array]:
         """The reduce-scattered gradient shares (ZeRO-2): every Muon element in exactly
