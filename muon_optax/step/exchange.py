@@ -274,7 +274,8 @@ class ExchangeSink:
         # TPU: the rows go straight into the unsent pieces they may fall in on some
         # device; the pieces complete after this store (on every device the next real
         # write starts past them: stacks lie in the channel in order, slots in order
-        # within a stack, an unowned slot writes nothing) are sent.
+        # within a stack, an unowned slot writes nothing) are sent. So pieces go back in
+        # order, and those sent are the first len(acc.got): nothing to keep count of.
         size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
         lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
         unsent = range(len(acc.got), len(self.bounds))

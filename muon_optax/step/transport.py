@@ -235,10 +235,10 @@ class LocalSink:
 
 
 class Transports:
-    """The sources and sinks of every stack, by transport and dtype. What they carry
-    from one load or store to the next is a value the Muon loop threads: first
-    :meth:`empty`, by transport and dtype ``(held, acc)``: a source's ``held`` (a dict:
-    a stack's copy, the pieces received) and a sink's ``acc`` (the directions so far)."""
+    """The sources and sinks of every stack, by transport and dtype. What one load or
+    store leaves the next is the ``carry`` the Muon loop threads (first :meth:`empty`):
+    by transport and dtype, the source's ``held`` (a dict: a stack's stacked copy, the
+    pieces received) and the sink's ``acc`` (the directions stored so far)."""
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
