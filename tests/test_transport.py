@@ -149,3 +149,36 @@ def test_layout_errors_are_clear():
     tx = muon_optax.muon_adamw(sp.groups(), labels, axis_name="data", mesh=other)
     with pytest.raises(ValueError, match="mesh"):
         jax.jit(tx.init)(place(params, specs, mesh))
+
+
+def test_transports_hold_after_a_step_what_they_held_when_built(monkeypatch):
+    """The Muon loop's transports are values in, values out: after a traced step (every
+    transport, clipping on) the Transports, its sources and its sinks hold what they
+    held when built; the clip factor, a stack's copy, the stored directions and the
+    pieces sent travel through the loop instead."""
+    from muon_optax.step import engine
+
+    def held(x):   # every attribute, and every entry of a dict attribute, by identity
+        return {(a, k): id(w) for a, v in vars(x).items()
+                for k, w in (v.items() if isinstance(v, dict) else [(None, v)])}
+
+    built = []
+
+    class Recorded(engine.Transports):
+        def __init__(self, *args):
+            super().__init__(*args)
+            parts = [self, *self.sources.values(), *self.sinks.values()]
+            built.append([(x, held(x)) for x in parts])
+
+    monkeypatch.setattr(engine, "Transports", Recorded)
+    params, specs, labels = problem()
+    mesh = mesh_of(AxisType.Explicit)
+    tx = muon_optax.muon_adamw(sp.groups(), labels, axis_name=DM, mesh=mesh, max_grad_norm=1.0)
+    p = place(params, specs, mesh)
+    jax.eval_shape(tx.update, p, jax.jit(tx.init)(p), p)
+    assert built and {type(x).__name__ for parts in built for x, _ in parts} >= {
+        "GatherSource", "GatherSink", "ExchangeSource", "ExchangeSink", "LocalSource",
+        "LocalSink"}
+    for parts in built:
+        for x, before in parts:
+            assert held(x) == before, type(x).__name__

@@ -351,9 +351,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
         muon = single.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
                                  state.muon, stats.scale, updates)
     else:               # owners: the same kernel, the matrices moved to and from them
-        moves.scale = stats.scale
-        muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, g_view,
-                                 p_view, state, updates)
+        muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, stats.scale,
+                                 g_view, p_view, state, updates)
     if late:
         mu, nu, muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
                                          (g_leaves, p_leaves), (mu, nu), stats.scale,

@@ -13,7 +13,7 @@ for bit (tests/test_collectives.py forces the TPU form on CPU through
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +122,6 @@ class ExchangeSource:
             return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
 
         self.dtype, self.flat, self.unflatten = dtype, flat, unflatten
-        self.got: dict[int, jax.Array] = {}   # piece -> received (TPU: exchanged in load)
         if comm.size == 1:
             self.received = whole(*flat)
         else:
@@ -162,7 +161,7 @@ class ExchangeSource:
             out.append(dynamic_slice(blocks, j, 1, 1)[:, 0])
         return out
 
-    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+    def load(self, got: dict, k: int, j0: int, n: int, prev: jax.Array | None):
         sp = self.owner.stacks[k]
         piece = sp.route.piece
         offsets = np.asarray(self.channel.offsets[k]) + j0 * piece
@@ -185,8 +184,8 @@ class ExchangeSource:
         if self.comm.size == 1:
             raw = whole(self.received)
         else:
-            new = [p for p in range(p0, p1) if p not in self.got]
-            have = [p for p in sorted(self.got) if p0 - 1 <= p < p1]
+            new = [p for p in range(p0, p1) if p not in got]
+            have = [p for p in sorted(got) if p0 - 1 <= p < p1]
             nf, nh = len(self.flat), len(have)
 
             def tpu(*args):
@@ -201,10 +200,9 @@ class ExchangeSource:
                 return (whole(self.received), *[self.received[p] for p in new])
 
             wait = prev if prev is not None else jnp.zeros((), self.dtype)
-            out = platform_dependent(*self.flat, *[self.got[p] for p in have], wait,
+            out = platform_dependent(*self.flat, *[got[p] for p in have], wait,
                                      tpu=tpu, default=default)
-            raw = out[0]
-            self.got.update(zip(new, out[1:]))
+            raw, got = out[0], {**got, **dict(zip(new, out[1:]))}
         raw = raw.reshape(self.comm.size, n, piece)
 
         def assemble(i):  # the matrices as member i's layout puts them together
@@ -213,7 +211,17 @@ class ExchangeSource:
             x = x.reshape(n, math.prod(route.grid), -1)[:, :, :route.block_size]
             return member.matrix_to_stored(_grid_to_matrix(route, x))
 
-        return _by_variant(sp, self.comm, j0, n, assemble, axis=0)
+        return _by_variant(sp, self.comm, j0, n, assemble, axis=0), got
+
+
+class Directions(NamedTuple):
+    """An exchange sink's directions so far: the ``(N, length)`` buffer (sent whole, not on
+    TPU); on TPU the pieces being written and those sent (``0 .. len(got)-1``, in order;
+    as received), and the last store's result, which the next load waits for."""
+    buffer: jax.Array
+    parts: dict
+    got: dict
+    stored: jax.Array | None
 
 
 class ExchangeSink:
@@ -229,13 +237,12 @@ class ExchangeSink:
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm, self.dtype = owner, comm, dtype
         self.channel = owner.back[dtype]
-        self.buffer = jnp.zeros((comm.size, self.channel.length), dtype)
         length, width = self.channel.length, max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
-        self.parts: dict[int, jax.Array] = {}   # TPU: pieces being written
-        self.stored: jax.Array | None = None       # TPU: the last store's result
-        self.got: dict[int, jax.Array] = {}     # TPU: pieces sent, as received
-        self.first_unsent = 0
+
+    def empty(self) -> Directions:
+        return Directions(jnp.zeros((self.comm.size, self.channel.length), self.dtype),
+                          {}, {}, None)
 
     @staticmethod
     def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
@@ -243,7 +250,8 @@ class ExchangeSink:
         return ((owner.num_devices - 1) * owner.back[dtype].length
                 * np.dtype(dtype).itemsize)
 
-    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
+    def store(self, acc: Directions, k: int, j0: int, o: jax.Array,
+              owned: jax.Array | None) -> Directions:
         sp = self.owner.stacks[k]
         n = o.shape[0]
 
@@ -258,23 +266,23 @@ class ExchangeSink:
         def whole():
             r = rows
             if owned is not None:
-                r = jnp.where(owned, r, dynamic_slice(self.buffer, start, r.shape[1], 1))
-            return dynamic_update(self.buffer, r, start, 1)
+                r = jnp.where(owned, r, dynamic_slice(acc.buffer, start, r.shape[1], 1))
+            return dynamic_update(acc.buffer, r, start, 1)
 
         if self.comm.size == 1:
-            self.buffer = whole()
-            return
+            return acc._replace(buffer=whole())
         # TPU: the rows go straight into the unsent pieces they may fall in on some
         # device; the pieces complete after this store (on every device the next real
         # write starts past them: stacks lie in the channel in order, slots in order
-        # within a stack, an unowned slot writes nothing) are sent.
+        # within a stack, an unowned slot writes nothing) are sent. So pieces go back in
+        # order, and those sent are the first len(acc.got): nothing to keep count of.
         size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
         lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
-        touched = [p for p in range(self.first_unsent, len(self.bounds))
-                   if self.bounds[p][0] < hi and lo < self.bounds[p][1]]
+        unsent = range(len(acc.got), len(self.bounds))
+        touched = [p for p in unsent if self.bounds[p][0] < hi and lo < self.bounds[p][1]]
         nxt = int((offsets + np.minimum(j0 + n, np.asarray(sp.counts)) * size).min())
-        done = [p for p in range(self.first_unsent, len(self.bounds)) if self.bounds[p][1] <= nxt]
-        parts = {p: self.parts.get(p, self._zeros(p)) for p in touched + done}
+        done = [p for p in unsent if self.bounds[p][1] <= nxt]
+        parts = {p: acc.parts.get(p, self._zeros(p)) for p in touched + done}
 
         def tpu():
             new = dict(parts)
@@ -283,20 +291,16 @@ class ExchangeSink:
                                     int(offsets.max()) + j0 * size, owned)
             got = [self.comm.exchange(new[p]) for p in done]
             last = got[-1] if got else new[touched[-1]] if touched else rows
-            return (self.buffer, last[:1, :1], *[new[p] for p in touched], *got)
+            return (acc.buffer, last[:1, :1], *[new[p] for p in touched], *got)
 
         def default():
-            return (whole(), self.buffer[:1, :1], *[parts[p] for p in touched],
+            return (whole(), acc.buffer[:1, :1], *[parts[p] for p in touched],
                     *[parts[p] for p in done])
 
         out = platform_dependent(tpu=tpu, default=default)
-        self.buffer = out[0]
-        self.parts.update(zip(touched, out[2:2 + len(touched)]))
-        self.got.update(zip(done, out[2 + len(touched):]))
-        for p in done:
-            self.parts.pop(p, None)
-        self.stored = out[1]
-        self.first_unsent = max([self.first_unsent] + [p + 1 for p in done])
+        written = {**acc.parts, **dict(zip(touched, out[2:2 + len(touched)]))}
+        return Directions(out[0], {p: x for p, x in written.items() if p not in done},
+                          {**acc.got, **dict(zip(done, out[2 + len(touched):]))}, out[1])
 
     def _zeros(self, p: int) -> jax.Array:
         c0, c1 = self.bounds[p]
@@ -322,17 +326,17 @@ class ExchangeSink:
             mask = mask & owned
         return jnp.where(mask, window, part)
 
-    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+    def finish(self, acc: Directions, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         if self.comm.size == 1:
-            return self._whole(self.buffer, local_shapes)
+            return self._whole(acc.buffer, local_shapes)
 
         def tpu():
-            got = [self.got[p] if p in self.got
-                   else self.comm.exchange(self.parts.get(p, self._zeros(p)))
+            got = [acc.got[p] if p in acc.got
+                   else self.comm.exchange(acc.parts.get(p, self._zeros(p)))
                    for p in range(len(self.bounds))]
             return self._from_pieces(got, local_shapes)
 
-        return platform_dependent(tpu=tpu, default=lambda: self._whole(self.buffer, local_shapes))
+        return platform_dependent(tpu=tpu, default=lambda: self._whole(acc.buffer, local_shapes))
 
     def _whole(self, buffer: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         received, out = self.comm.exchange(buffer), {}

@@ -80,49 +80,48 @@ def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
     return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
 
 
-def _base_slots(k, sp: StackPlan, plan, moves, bufs: MuonBuffers, hp, comm, count, prev,
-                j0: int, n: int):
+def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hp, comm,
+                count, prev, j0: int, n: int):
     """Slots ``j0 .. j0+n-1`` of the ``base`` ones every device owns, as one batched
     program. The new momentum goes into its buffer as soon as ``U`` is formed, before the
     polar iteration starts."""
     at = _state_at(k, sp, plan, comm, j0)
-    g, state = moves.load(k, j0, n, prev), _read_state(bufs, at, n, sp)
+    (g, carry), state = moves.load(carry, k, j0, n, prev, scale), _read_state(bufs, at, n, sp)
     o, state, d = muon_step(g, state, hp, sp.stack.config, count, sp.stack.dtype)
     bufs = MuonBuffers(_write(bufs.momentum, at[0], state.momentum),
                        _write(bufs.second_moment, at[1], state.second_moment, o))
-    moves.store(k, j0, o)
-    return bufs, o, d
+    return moves.store(carry, k, j0, o), bufs, o, d
 
 
-def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, bufs: MuonBuffers,
-                hps, comm: Collectives, count, prev):
+def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale, carry,
+                bufs: MuonBuffers, hps, comm: Collectives, count, prev):
     """One stack's owned slots: the first ``base`` batched in chunks of at most
     :func:`muon_optax.step.one_device.chunk_bytes` (one after another, so one chunk's temporaries
     are alive at a time), the rest one by one, each skipped (``lax.cond``) on devices
-    that own fewer. Returns the state buffers, the last direction (to sequence the next
-    stack) and the slots' ``<U, O>`` (adaptive)."""
+    that own fewer. Returns the transports' ``carry``, the state buffers, the last
+    direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     for lo, hi in chunks(sp.base, 4 * sp.stack.rows * sp.stack.cols, chunk_bytes(plan)):
         hp = matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
-        bufs, prev, d = _base_slots(k, sp, plan, moves, bufs, hp, comm, count, prev, lo,
-                                    hi - lo)
+        carry, bufs, prev, d = _base_slots(k, sp, plan, moves, scale, carry, bufs, hp, comm,
+                                           count, prev, lo, hi - lo)
         duals.append(d)
     counts = comm.pick(sp.counts)
     for j in range(sp.base, sp.num_slots):
         owned = counts > j
         at = _state_at(k, sp, plan, comm, j)
-        g, state = moves.load(k, j, 1, prev), _read_state(bufs, at, 1, sp)
+        (g, carry), state = moves.load(carry, k, j, 1, prev, scale), _read_state(bufs, at, 1, sp)
         hp = matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
         o, state, d = jax.lax.cond(
             owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype),
             lambda g, s: _skipped(g, s, dtype, cfg.adaptive), g, state)
         # Unchanged where not owned.
         bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
-        moves.store(k, j, o, owned)
+        carry = moves.store(carry, k, j, o, owned)
         duals.append(d)
         prev = o
-    return bufs, prev, (jnp.concatenate([d.reshape(-1) for d in duals])
-                        if cfg.adaptive else None)
+    return carry, bufs, prev, (jnp.concatenate([d.reshape(-1) for d in duals])
+                               if cfg.adaptive else None)
 
 
 def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) -> dict:
@@ -148,20 +147,21 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
 
 
 def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, count,
-               moves: Transports, g_leaves, p_leaves, state,
+               moves: Transports, scale, g_leaves, p_leaves, state,
                updates: list) -> tuple[MuonBuffers, ...]:
-    """Muon leaves, their gradients read through ``moves``: fills ``updates``; returns
-    the new state buffers. The collectives of a channel carry every stack's matrices at
-    once."""
+    """Muon leaves, their gradients read through ``moves`` (times ``scale``, the clip
+    factor, if not None): fills ``updates``; returns the new state buffers. The
+    collectives of a channel carry every stack's matrices at once."""
     bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
-    prev, duals = None, {}
+    prev, duals, carry = None, {}, moves.empty()
     for k, sp in enumerate(plan.owner.stacks):
         key = sp.state_key
-        bufs[key], prev, d = _stack_step(k, sp, plan, moves, bufs[key], hps, comm, count, prev)
+        carry, bufs[key], prev, d = _stack_step(k, sp, plan, moves, scale, carry, bufs[key],
+                                                hps, comm, count, prev)
         if d is not None:
             duals[k] = d
     local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
-    directions = moves.finish(local_shapes)
+    directions = moves.finish(carry, local_shapes)
     scales = _leaf_duals(plan, comm, duals)
     finish_leaves(plan, configs, hps, directions, scales, p_leaves, updates)
     return tuple(bufs.values())

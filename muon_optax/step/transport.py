@@ -3,7 +3,8 @@
 
 Each stack reads its owned matrices through a *source* and writes their directions into
 a *sink*, from which every device gets its leaves' directions back. One source and one
-sink per transport (the :class:`Source` and :class:`Sink` protocols):
+sink per transport, values in and values out (:class:`Transports` shows how they are used;
+neither keeps anything while a step is traced):
 
 - gather:   flat device-major buffer -> reduce-scatter (or this device's own slice of
             already reduced gradients) ... directions -> flat share -> all-gather;
@@ -19,13 +20,12 @@ small tables indexed by ``axis_index``.
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.params.layout import MatrixLeaf
 from muon_optax.plan.plan import OwnerPlan
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL
 from muon_optax.rule.order import after
@@ -45,28 +45,6 @@ from muon_optax.step.rows import (
 # The TPU form where it differs (column pieces), chosen at lowering; a module name so
 # that tests can run that form on XLA:CPU.
 platform_dependent = jax.lax.platform_dependent
-
-
-class Source(Protocol):
-    """Where a device reads the gradients of the matrices it owns."""
-
-    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``. ``prev``:
-        the previous stack's direction; a source that copies (stacks) the leaves waits
-        for it, so that one stack's copy is alive at a time."""
-
-
-class Sink(Protocol):
-    """Where a device writes the directions of the matrices it owns, and from which
-    every device gets the directions of its leaves back."""
-
-    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
-        """Slots ``j0 .. j0+n`` of stack ``k``; ``owned`` (a traced bool) when this
-        device may not own them (then nothing is written)."""
-
-    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
-        """Every direction this sink carries, by leaf index, in the local layout
-        (``local_shapes``: this device's block of each leaf)."""
 
 
 
@@ -104,7 +82,6 @@ class GatherSource:
                  comm: Collectives):
         self.owner, self.comm, self.leaves = owner, comm, leaves
         self.channel = owner.gather[dtype]
-        self.cache: dict[int, jax.Array] = {}
         self.buffer = None if comm.grads_reduced else self._reduce_scatter(dtype)
 
     @staticmethod
@@ -123,25 +100,24 @@ class GatherSource:
                          parts)
         return self.comm.mean_scatter_rows(parts, ch.length, scatter_piece(self.owner), dtype)
 
-    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``."""
+    def load(self, held: dict, k: int, j0: int, n: int, prev: jax.Array | None):
         sp = self.owner.stacks[k]
         st = sp.stack
         if self.buffer is not None:
             size = st.rows * st.cols
             start = self.comm.pick(self.channel.offsets[k])
             x = dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
-            return x.reshape(n, st.rows, st.cols)
+            return x.reshape(n, st.rows, st.cols), held
         mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
         if isinstance(mine, np.ndarray):   # the same slots on every device (one device)
             # Only these slots are stacked: a chunk's copy, not the stack's.
             return jnp.concatenate([st.members[i].to_stored(after(
                 self.leaves[st.members[i].index], prev))[lo:hi]
-                for i, lo, hi in member_runs(st, mine.reshape(-1))])
+                for i, lo, hi in member_runs(st, mine.reshape(-1))]), held
         # One stack's stacking copy at a time: it waits for the previous stack.
-        if k not in self.cache:
-            self.cache[k] = st.stack([after(self.leaves[m.index], prev) for m in st.members])
-        return jnp.take(self.cache[k], mine, axis=0)
+        if k not in held:
+            held = {k: st.stack([after(self.leaves[m.index], prev) for m in st.members])}
+        return jnp.take(held[k], mine, axis=0), held
 
 
 class GatherSink:
@@ -150,8 +126,7 @@ class GatherSink:
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm = owner, comm
-        self.channel = owner.gather[dtype]
-        self.buffer = jnp.zeros(self.channel.length, dtype)
+        self.channel, self.dtype = owner.gather[dtype], dtype
 
     @staticmethod
     def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
@@ -159,20 +134,24 @@ class GatherSink:
         return ((owner.num_devices - 1) * owner.gather[dtype].length
                 * np.dtype(dtype).itemsize)
 
-    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
+    def empty(self) -> jax.Array:
+        return jnp.zeros(self.channel.length, self.dtype)   # this device's share
+
+    def store(self, acc: jax.Array, k: int, j0: int, o: jax.Array,
+              owned: jax.Array | None) -> jax.Array:
         st = self.owner.stacks[k].stack
         start = self.comm.pick(self.channel.offsets[k]) + j0 * st.rows * st.cols
         flat = o.reshape(-1)
         if owned is not None:  # a slot this device may not own: keep what is there
-            flat = jnp.where(owned, flat, dynamic_slice(self.buffer, start, flat.size, 0))
-        self.buffer = dynamic_update(self.buffer, flat, start, 0)
+            flat = jnp.where(owned, flat, dynamic_slice(acc, start, flat.size, 0))
+        return dynamic_update(acc, flat, start, 0)
 
-    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+    def finish(self, acc: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         del local_shapes   # every device gets the whole leaves
         if not self.comm.active:
-            return self._whole(self.buffer)
+            return self._whole(acc)
         return platform_dependent(
-            self.buffer, tpu=lambda b: self._by_pieces(b, scatter_piece(self.owner)),
+            acc, tpu=lambda b: self._by_pieces(b, scatter_piece(self.owner)),
             default=self._whole)
 
     def _whole(self, buffer: jax.Array) -> dict[int, jax.Array]:
@@ -220,54 +199,52 @@ class LocalSource:
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array]):
         self.owner, self.leaves = owner, leaves
-        self.cache: dict[int, jax.Array] = {}
 
-    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
-        if k not in self.cache:
+    def load(self, held: dict, k: int, j0: int, n: int, prev: jax.Array | None):
+        if k not in held:
             st = self.owner.stacks[k].stack
             parts = [m.to_stored(after(self.leaves[m.index], prev)) for m in st.members]
-            self.cache[k] = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-        return self.cache[k][j0:j0 + n]
+            held = {k: jnp.concatenate(parts) if len(parts) > 1 else parts[0]}
+        return held[k][j0:j0 + n], held
 
 
 class LocalSink:
     def __init__(self, owner: OwnerPlan):
         self.owner = owner
-        self.stacked: dict[int, list[jax.Array]] = {}
 
-    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
+    def empty(self) -> dict[int, tuple]:
+        return {}   # stack -> its directions, in store order
+
+    def store(self, acc: dict, k: int, j0: int, o: jax.Array, owned: jax.Array | None):
         del j0, owned   # every device owns every slot of a local stack
-        self.stacked.setdefault(k, []).append(o)
+        return {**acc, k: acc.get(k, ()) + (o,)}
 
-    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+    def finish(self, acc: dict, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         out = {}
-        for k, parts in self.stacked.items():
+        for k, parts in acc.items():
             st = self.owner.stacks[k].stack
             full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
             start = 0
             for m in st.members:
-                count = local_shapes_batch(m, local_shapes[m.index])
+                count = math.prod(local_shapes[m.index][a] for a in m.batch_axes)  # in this block
                 out[m.index] = m.from_stored(full[start:start + count], local_shapes[m.index])
                 start += count
         return out
-
-
-def local_shapes_batch(m: MatrixLeaf, shape: tuple) -> int:
-    """Matrices in a block of leaf ``m`` of the given shape."""
-    return math.prod(shape[a] for a in m.batch_axes)
 
 
 # ------------------------------------------------------------------ all transports
 
 
 class Transports:
-    """The sources and sinks of every stack, by transport and dtype."""
+    """The sources and sinks of every stack, by transport and dtype. What one load or
+    store leaves the next is the ``carry`` the Muon loop threads (first :meth:`empty`):
+    by transport and dtype, the source's ``held`` (a dict: a stack's stacked copy, the
+    pieces received) and the sink's ``acc`` (the directions stored so far)."""
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
-        self.scale: jax.Array | None = None   # max_grad_norm's factor, set before load
-        self.sources: dict[Any, Source] = {}
-        self.sinks: dict[Any, Sink] = {}
+        self.sources: dict[Any, Any] = {}
+        self.sinks: dict[Any, Any] = {}
         for dt in owner.gather:
             self.sources[GATHER, dt] = GatherSource(owner, dt, leaves, comm)
             self.sinks[GATHER, dt] = GatherSink(owner, dt, comm)
@@ -293,14 +270,24 @@ class Transports:
         sp = self.owner.stacks[k]
         return LOCAL if sp.transport == LOCAL else (sp.transport, sp.stack.dtype)
 
-    def load(self, k: int, j0: int, n: int, prev: jax.Array | None) -> jax.Array:
+    def empty(self) -> dict:
+        return {key: ({}, sink.empty()) for key, sink in self.sinks.items()}
+
+    def load(self, carry: dict, k: int, j0: int, n: int, prev: jax.Array | None,
+             scale: jax.Array | None) -> tuple[jax.Array, dict]:
+        """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``, times ``scale``
+        (the clip factor, or None), and the new ``carry``. ``prev``: the previous stack's
+        direction; a source that copies (stacks) the leaves waits for it, so that one
+        stack's copy is alive at a time."""
         key = self._key(k)
-        if key[0] == EXCHANGE and self.sinks[key].stored is not None:
+        held, acc = carry[key]
+        if key[0] == EXCHANGE and acc.stored is not None:
             # On TPU an exchange load waits for the last store (its direction cut into
             # the holders' blocks, or the pieces it completed sent), so that no
             # direction waits for the end of the Muon loop to be stored.
-            prev = self.sinks[key].stored
-        return scaled(self.sources[key].load(k, j0, n, prev), self.scale)
+            prev = acc.stored
+        x, held = self.sources[key].load(held, k, j0, n, prev)
+        return scaled(x, scale), {**carry, key: (held, acc)}
 
     def reduced_buffers(self) -> list[jax.Array]:
         """The reduce-scattered gradient shares (ZeRO-2): every Muon element in exactly
@@ -311,12 +298,19 @@ class Transports:
         return [src.buffer for src in self.sources.values()
                 if isinstance(src, GatherSource) and src.buffer is not None]
 
-    def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None = None) -> None:
-        self.sinks[self._key(k)].store(k, j0, o, owned)
+    def store(self, carry: dict, k: int, j0: int, o: jax.Array,
+              owned: jax.Array | None = None) -> dict:
+        """``carry`` with the directions ``o`` of slots ``j0 .. j0+n`` of stack ``k``;
+        ``owned`` (a traced bool) when this device may not own them (then nothing is
+        written)."""
+        key = self._key(k)
+        held, acc = carry[key]
+        return {**carry, key: (held, self.sinks[key].store(acc, k, j0, o, owned))}
 
-    def finish(self, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
-        """Every Muon leaf's direction, in its local (this device's) layout."""
+    def finish(self, carry: dict, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
+        """Every Muon leaf's direction, in its local (this device's) layout
+        (``local_shapes``: this device's block of each leaf)."""
         out: dict[int, jax.Array] = {}
-        for sink in self.sinks.values():
-            out.update(sink.finish(local_shapes))
+        for key, sink in self.sinks.items():
+            out.update(sink.finish(carry[key][1], local_shapes))
         return out
