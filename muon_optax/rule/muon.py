@@ -16,26 +16,21 @@ matrix stored transposed equilibrates its stored columns instead. ``lr_eff`` is
 ``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
 arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
 
-Every step has a switch in :class:`~muon_optax.rule.hparams.MuonConfig`, and the other
-choices are optax.contrib.muon's (see :func:`muon_optax.contrib_muon`):
-
-    U   = buf (nesterov=False);  with bias_correction, Adam's ``1 - mu^t`` factors
-    X   = precondition(U): basin, frobenius, spectral, or aol/schatten in step one
-    O   = <U, O> O                                                    adaptive
-    P   = P - lr s O - lr_d wd P [mask]       s = matrix_lr_scale, lr_d = lr s or lr
+Every option is a field of :class:`~muon_optax.rule.hparams.MuonConfig`. optax.contrib.muon's
+and torch.optim.Muon's rules are :mod:`muon_optax.rule.contrib`, which shares
+:func:`orthogonalized` and the momentum of :func:`momentum_buffer`/:func:`momentum_input`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from muon_optax.rule.adamw import update_in_param_dtype
-from muon_optax.rule.hparams import MuonConfig
 from muon_optax.rule.order import after
 from muon_optax.rule.polar import (
     overflow_scale,
@@ -43,6 +38,9 @@ from muon_optax.rule.polar import (
     polar_express_stack,
     precondition,
 )
+
+if TYPE_CHECKING:  # the config imports the kernel, not the other way
+    from muon_optax.rule.hparams import MuonConfig
 
 
 class MuonStackState(NamedTuple):
@@ -107,53 +105,29 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
     return jnp.where(transposed[:, None, None], factor(-2), factor(-1))
 
 
-def momentum_buffer(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
-                    optax_ema: bool = False, complement: float | None = None) -> jax.Array:
+def in_layout(x: jax.Array, shape: tuple, layout: tuple) -> jax.Array:
+    """``x`` (of ``shape``, or a scalar or ``(K, 1, 1)`` factor broadcast to it) in the
+    momentum buffer's ``layout``, which holds as many elements as ``shape``."""
+    return x if jnp.ndim(x) == 0 or layout == shape else (
+        jnp.broadcast_to(x, shape).reshape(layout))
+
+
+def momentum_buffer(g: jax.Array, buf: jax.Array, momentum: jax.Array) -> jax.Array:
     """Step 1a: the new momentum buffer ``lerp(buf, G, 1 - mu)``, in float32.
 
     ``g`` is float32, ``buf`` the stored buffer (any dtype), ``momentum`` a scalar or
-    ``(K, 1, 1)``. ``optax_ema``: ``(1 - mu) g + mu buf`` with the product ``mu buf`` in
-    the buffer's dtype, as optax computes it; ``complement``, if given, is ``1 - mu``
-    from the exact (Python) ``mu`` (float32's ``1 - f32(mu)`` is off by up to an ulp of
-    ``mu``, which flips roundings of a bfloat16 buffer).
+    ``(K, 1, 1)``.
     """
-    c = 1 - momentum if complement is None else complement
-    if optax_ema:
-        return c * g + (momentum.astype(buf.dtype) * buf).astype(jnp.float32)
     buf = buf.astype(jnp.float32)
-    return buf + c * (g - buf)
+    return buf + (1 - momentum) * (g - buf)
 
 
 def momentum_input(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
-                   nesterov: bool = True, count: jax.Array | None = None,
-                   complement: float | None = None) -> jax.Array:
+                   nesterov: bool = True) -> jax.Array:
     """Step 1b: the direction ``U`` that is orthogonalized, in float32, from the new
-    buffer: ``lerp(G, buf, mu)`` (Nesterov) or ``buf``. With ``count`` (steps taken
-    before this one, ``t = count + 1``) both terms are bias-corrected as in Adam:
-    ``mu buf / (1 - mu^(t+1)) + (1 - mu) G / (1 - mu^t)``, or ``buf / (1 - mu^t)``."""
+    buffer: ``lerp(G, buf, mu)`` (Nesterov) or ``buf``."""
     buf = buf.astype(jnp.float32)
-    if count is None:
-        return g + momentum * (buf - g) if nesterov else buf
-    c = 1 - momentum if complement is None else complement
-    t = count.astype(jnp.float32) + 1
-    if nesterov:
-        return momentum * buf / (1 - momentum ** (t + 1)) + c * g / (1 - momentum**t)
-    return buf / (1 - momentum**t)
-
-
-def reads_back(cfg: MuonConfig, buf_dtype: Any) -> bool:
-    """Whether ``U`` is formed from the stored (rounded) buffer, as nanochat reads it back
-    after its in-place update, or from the float32 one, as optax does. The same when the
-    buffer is float32."""
-    return not cfg.optax_ema or jnp.dtype(buf_dtype) == jnp.float32
-
-
-def dual_norm(u: jax.Array, o: jax.Array) -> jax.Array:
-    """``<U, O>`` per matrix, ``(K, 1, 1)``: ``adaptive``'s step length ``O <U, O>``, the
-    steepest-descent step under the spectral norm. ``<U, O>`` estimates the nuclear norm
-    of ``U`` (exact when ``O`` is its polar factor; arXiv:2409.20325); it is summed over a
-    whole parameter leaf (several matrices when the leaf has batch axes) by the engine."""
-    return jnp.sum(u * o, axis=(-2, -1), keepdims=True)
+    return g + momentum * (buf - g) if nesterov else buf
 
 
 def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
@@ -179,8 +153,8 @@ def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
     return jnp.swapaxes(o, -1, -2) if on_cols else o
 
 
-def _orthogonalized_as(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
-                       dtype: Any) -> jax.Array:
+def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
+                   dtype: Any) -> jax.Array:
     """:func:`_orthogonalized` rounded to ``dtype`` (the rule rounds ``O`` to the
     parameter dtype). Without ``cfg.compute_dtype``: float32 when compiled for CPU,
     bfloat16 for accelerators, as the step is lowered (``lax.platform_dependent``; a
@@ -202,8 +176,7 @@ def normalized_direction(
     dtype: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """Steps 2-7 on a stored stack ``U`` (float32): the direction ``O`` in ``dtype`` (the
-    parameter dtype) and the new NorMuon second moment (``adaptive``'s scaling is not
-    applied here: it needs the whole leaf, see :func:`dual_norm`).
+    parameter dtype) and the new NorMuon second moment.
 
     Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
     column, so each side of the polar iteration is one pass of statistics and one
@@ -211,7 +184,7 @@ def normalized_direction(
     """
     f32 = jnp.float32
     rows, cols = u.shape[-2:]
-    o = _orthogonalized_as(u, transposed, cfg, dtype).astype(f32)
+    o = orthogonalized(u, transposed, cfg, dtype).astype(f32)
     if not cfg.normuon:
         if cfg.renormalize:  # Muon+ alone
             fro = jnp.sqrt(jnp.sum(o * o, axis=(-2, -1), keepdims=True))
@@ -239,50 +212,33 @@ def normalized_direction(
 
 
 def muon_step(g: jax.Array, state: MuonStackState, hp: Mapping[str, Any], cfg: MuonConfig,
-              count: jax.Array, dtype: Any
-              ) -> tuple[jax.Array, MuonStackState, jax.Array | None]:
+              dtype: Any) -> tuple[jax.Array, MuonStackState, None]:
     """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)``: the direction ``O``
-    (``dtype``, the parameter dtype), the new state and, with ``cfg.adaptive``, the
-    per-matrix ``<U, O>`` (summed over each leaf by the caller, which scales ``O``).
+    (``dtype``, the parameter dtype), the new state and None (no factor summed over a
+    leaf: see :attr:`MuonConfig.leaf_scaled`).
 
     The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
     ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
-    a bool, or ``(K,)``). ``count``: steps before this one (``bias_correction``).
-    ``state.momentum`` may come in any layout of ``g``'s size (the engine hands its flat
-    state buffer on one device, so that XLA updates it in place); the new momentum comes
-    back in that layout, computed only once ``U`` is, so that it can overwrite the old
-    buffer. Zero padding stays exactly zero.
+    a bool, or ``(K,)``). ``state.momentum`` may come in any layout of ``g``'s size (the
+    engine hands its flat state buffer on one device, so that XLA updates it in place);
+    the new momentum comes back in that layout, computed only once ``U`` is, so that it
+    can overwrite the old buffer. Zero padding stays exactly zero.
     """
-    g32, mu = g.astype(jnp.float32), hp["momentum"]
-    layout = state.momentum.shape
-
-    def in_layout(x):
-        return x if jnp.ndim(x) == 0 or layout == g.shape else (
-            jnp.broadcast_to(x, g.shape).reshape(layout))
-
-    complement = cfg.momentum_complement()
-    buf32 = momentum_buffer(in_layout(g32), state.momentum, in_layout(mu),
-                            optax_ema=cfg.optax_ema, complement=complement)
+    g32, mu, layout = g.astype(jnp.float32), hp["momentum"], state.momentum.shape
+    buf32 = momentum_buffer(in_layout(g32, g.shape, layout), state.momentum,
+                            in_layout(mu, g.shape, layout))
+    # U from the stored (rounded) buffer, as nanochat reads it back after its update
     stored = buf32.astype(state.momentum.dtype)
-    read = stored if reads_back(cfg, stored.dtype) else buf32
-    u = momentum_input(g32, read.reshape(g.shape), mu, nesterov=cfg.nesterov,
-                       count=count if cfg.bias_correction else None, complement=complement)
+    u = momentum_input(g32, stored.reshape(g.shape), mu, nesterov=cfg.nesterov)
     o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
                                 transposed=hp["transposed"], cfg=cfg, dtype=dtype)
-    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else None
-    return o, MuonStackState(after(stored, u), s), d
+    return o, MuonStackState(after(stored, u), s), None
 
 
-def matrix_lr_scale(rows: int, cols: int, cfg: MuonConfig | None = None) -> float:
-    """The per-matrix factor of the learning rate, from its own ``rows x cols`` (out x in).
-
-    nanochat's (and optax's default) aspect factor ``sqrt(max(1, R / C))``; with
-    ``cfg.consistent_rms = c``, ``c sqrt(max(R, C))``, which gives every shape an update
-    RMS of about ``c`` (arXiv:2502.16982; 0.2 matches AdamW's).
-    """
-    if cfg is None or cfg.consistent_rms is None:
-        return math.sqrt(max(1.0, rows / cols))
-    return math.sqrt(max(rows, cols)) * cfg.consistent_rms
+def matrix_lr_scale(rows: int, cols: int) -> float:
+    """The per-matrix factor of the learning rate, from its own ``rows x cols`` (out x in):
+    ``sqrt(max(1, R / C))``."""
+    return math.sqrt(max(1.0, rows / cols))
 
 
 def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
@@ -302,16 +258,12 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
 
 def leaf_update(o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array, *,
                 rows: int, cols: int, cfg: MuonConfig) -> jax.Array:
-    """Steps 8-9 for one leaf from its group's ``lr`` and ``weight_decay``.
-
-    ``P_new - P = -lr s O - lr_d wd P [mask]``: ``s = matrix_lr_scale(rows, cols, cfg)``;
-    ``lr_d = lr s`` (``cfg.scale_decay``, nanochat) or ``lr`` (optax); the mask is
-    ``O P >= 0`` when ``cfg.cautious``, else everywhere. In the parameter's dtype.
-    """
-    lr_o = lr * matrix_lr_scale(rows, cols, cfg)
-    if cfg.cautious and cfg.scale_decay:
-        return cautious_update(o, p, lr_o, weight_decay)
+    """Steps 8-9 for one leaf from its group's ``lr`` and ``weight_decay``:
+    ``P_new - P = -lr_eff O - lr_eff wd P [mask]``, ``lr_eff = lr matrix_lr_scale(rows,
+    cols)``, the mask ``O P >= 0`` when ``cfg.cautious``, else everywhere. In the
+    parameter's dtype."""
+    lr_eff = lr * matrix_lr_scale(rows, cols)
+    if cfg.cautious:
+        return cautious_update(o, p, lr_eff, weight_decay)
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
-    decayed = jnp.where(o32 * p32 >= 0, p32, 0.0) if cfg.cautious else p32
-    lr_d = lr_o if cfg.scale_decay else lr
-    return update_in_param_dtype(p32, -lr_o * o32 - (lr_d * weight_decay) * decayed, p.dtype)
+    return update_in_param_dtype(p32, -lr_eff * o32 - (lr_eff * weight_decay) * p32, p.dtype)

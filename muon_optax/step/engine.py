@@ -491,7 +491,7 @@ def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
 
 
 def _needs_params(opts: Options) -> bool:
-    return any(isinstance(c, MuonConfig) or c.needs_params() for c in opts.configs.values())
+    return any(not isinstance(c, AdamWConfig) or c.needs_params() for c in opts.configs.values())
 
 
 class Init:

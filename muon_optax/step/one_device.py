@@ -29,7 +29,7 @@ import numpy as np
 from muon_optax.params.layout import Stack
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule import polar
-from muon_optax.rule.muon import MuonStackState, leaf_update, muon_step
+from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.step.guard import scaled
 
@@ -59,7 +59,7 @@ def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
     slots = np.maximum(slots, 0)
     groups = sorted({m.group for m in members})
     out: dict[str, Any] = {}
-    for key in ("momentum", "beta2"):
+    for key in [k for k in ("momentum", "beta2") if k in hps[groups[0]]]:
         if len(groups) == 1:
             out[key] = hps[groups[0]][key]
         else:  # a stack shared by groups: each matrix's group value
@@ -83,8 +83,8 @@ def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict
         hp, o = hps[m.group], directions[m.index]
         if m.index in scales:
             o = o.astype(jnp.float32) * scales[m.index]
-        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
-                                       rows=m.rows, cols=m.cols, cfg=configs[m.group])
+        updates[m.index] = configs[m.group].leaf_update(
+            o, p_leaves[m.index], hp["lr"], hp["weight_decay"], rows=m.rows, cols=m.cols)
 
 
 def chunk_bytes(plan: TreePlan) -> int:
@@ -122,7 +122,7 @@ def _chunk_step(sp: StackPlan, bufs: MuonBuffers, g: jax.Array, lo: int, hi: int
     if not whole:
         state = MuonStackState(bufs.momentum[lo:hi], bufs.second_moment[lo:hi])
     hp = matrix_hparams(st, hps, np.arange(lo, hi)[None], lambda t: np.asarray(t)[0])
-    o, state, d = muon_step(g, state, hp, st.config, count, st.dtype)
+    o, state, d = st.config.step(g, state, hp, count, st.dtype)
     # The second moment is written once O is computed: the old one is dead by then.
     new_second = after(state.second_moment, o)
     if whole:
@@ -277,7 +277,7 @@ def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int
     o_all = g_all if g_all.dtype == st.dtype else jnp.zeros(g_all.shape, st.dtype)
     hp_all = matrix_hparams(st, hps, np.arange(lo0, lo0 + n * per)[None],
                             lambda t: np.asarray(t)[0])
-    adaptive = st.config.adaptive
+    adaptive = st.config.leaf_scaled
 
     def body(j, carry):
         g_all, o_all, mom, sec, d_all = carry
@@ -287,7 +287,7 @@ def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int
                   if jnp.ndim(v) > 0 else v) for k, v in hp_all.items()}
         state = MuonStackState(jax.lax.dynamic_slice_in_dim(mom, lo0 + at, per, axis=0),
                                jax.lax.dynamic_slice_in_dim(sec, lo0 + at, per, axis=0))
-        o, state, d = muon_step(scaled(g, scale), state, hp, st.config, count, st.dtype)
+        o, state, d = st.config.step(scaled(g, scale), state, hp, count, st.dtype)
         new_second = after(state.second_moment, o)
         mom = jax.lax.dynamic_update_slice_in_dim(mom, state.momentum, lo0 + at, axis=0)
         sec = jax.lax.dynamic_update_slice_in_dim(sec, new_second, lo0 + at, axis=0)

@@ -1,0 +1,166 @@
+"""optax.contrib.muon's and torch.optim.Muon's rule (:func:`muon_optax.contrib_muon`,
+:func:`muon_optax.torch_muon`): plain Muon, without MuonEq, Muon+ or NorMuon, beside
+nanochat's kernel (:mod:`muon_optax.rule.muon`), whose polar iteration it runs.
+
+On a stored stack ``(K, R, C)``, every operation per matrix:
+
+    buf = lerp(buf, G, 1 - mu);  U = lerp(G, buf, mu) or buf          torch (nanochat's)
+    buf = (1 - mu) G + mu buf;                                          optax (``adam``)
+    U   = mu buf / (1 - mu^(t+1)) + (1 - mu) G / (1 - mu^t)  or  buf / (1 - mu^t)
+    O   = polar(precondition(U))          frobenius, spectral, aol or schatten
+    O   = <U, O> O                        ``adaptive``; <U, O> summed over the whole leaf
+    P   = P - lr s O - lr wd P            s = sqrt(max(1, R / C)), or c sqrt(max(R, C))
+
+With ``adam``, the momentum is Adam's bias-corrected first moment, computed as optax
+computes it: the product ``mu buf`` in the buffer's dtype, ``1 - mu`` from the exact
+constant (float32's ``1 - f32(mu)`` is off by up to an ulp of ``mu``, which flips
+roundings of a bfloat16 buffer), and ``U`` from the unrounded buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from muon_optax.rule.adamw import update_in_param_dtype
+from muon_optax.rule.hparams import (
+    Scalar,
+    check_compute_dtype,
+    check_flag,
+    check_mu_dtype,
+    check_scalar,
+    static_float,
+    value_at,
+)
+from muon_optax.rule.muon import (
+    MuonStackState,
+    in_layout,
+    momentum_buffer,
+    momentum_input,
+    orthogonalized,
+)
+from muon_optax.rule.order import after
+from muon_optax.rule.polar import Coeffs, check_preconditioning, ns_coefficients
+
+
+@dataclasses.dataclass(frozen=True)
+class ContribConfig:
+    """A Muon group of optax.contrib.muon's or torch.optim.Muon's rule.
+
+    ``coeffs``: the ``(a, b, c)`` of each iteration; ``preconditioning`` and ``eps``: as
+    in :func:`muon_optax.rule.polar.precondition`; ``adam``: optax's bias-corrected
+    momentum (else torch's, nanochat's lerps); ``adaptive``: the ``<U, O>`` step length;
+    ``consistent_rms = c``: the lr scale ``c sqrt(max(R, C))`` (see :meth:`lr_scale`).
+    """
+
+    lr: Scalar
+    momentum: Scalar
+    weight_decay: Scalar
+    coeffs: Coeffs
+    preconditioning: str = "frobenius"
+    eps: float = 1e-8
+    nesterov: bool = True
+    compute_dtype: Any = None
+    mu_dtype: Any = None
+    adam: bool = True
+    adaptive: bool = False
+    consistent_rms: float | None = None
+    # nanochat's options the engine and the polar iteration read, fixed in this rule
+    row_equilibration: ClassVar[bool] = False
+    normuon: ClassVar[bool] = False
+    polar_method: ClassVar[str] = "direct"
+
+    @classmethod
+    def make(cls, lr, momentum, weight_decay, coeffs, *, preconditioning="frobenius",
+             eps=1e-8, nesterov=True, compute_dtype=None, mu_dtype=None, adam=True,
+             adaptive=False, consistent_rms=None, where="contrib_muon") -> ContribConfig:
+        return cls(
+            lr=check_scalar(lr, "lr", where), momentum=check_scalar(momentum, "momentum", where),
+            weight_decay=check_scalar(weight_decay, "weight_decay", where),
+            coeffs=ns_coefficients(coeffs, len(coeffs), where),
+            preconditioning=check_preconditioning(preconditioning, where),
+            eps=static_float(eps, "eps", where), nesterov=check_flag(nesterov, "nesterov", where),
+            compute_dtype=check_compute_dtype(compute_dtype, where),
+            mu_dtype=check_mu_dtype(mu_dtype, where), adam=check_flag(adam, "adam", where),
+            adaptive=check_flag(adaptive, "adaptive", where),
+            consistent_rms=None if consistent_rms is None else static_float(
+                consistent_rms, "consistent_rms", where))
+
+    @property
+    def ns_steps(self) -> int:
+        return len(self.coeffs)
+
+    @property
+    def leaf_scaled(self) -> bool:
+        """Whether the direction is scaled by a factor summed over its whole leaf (the
+        ``<U, O>`` that :meth:`step` returns per matrix, summed by the engine)."""
+        return self.adaptive
+
+    def at(self, count: jax.Array) -> dict[str, jax.Array]:
+        """The hyperparameters at step ``count`` (steps taken before this one)."""
+        return {k: value_at(getattr(self, k), count) for k in ("lr", "momentum", "weight_decay")}
+
+    def static_key(self) -> tuple:
+        """What must agree for two matrices to share one batched program (``1 - mu``
+        from the exact constant among it, so every matrix of a stack shares it)."""
+        return (self.coeffs, self.preconditioning, self.eps, self.nesterov, self.compute_dtype,
+                self.mu_dtype, self.adam, self.adaptive, self.consistent_rms,
+                self.complement())
+
+    def complement(self) -> float | None:
+        """``1 - mu`` from the exact (Python) constant for ``adam``; None otherwise."""
+        return 1.0 - self.momentum if self.adam and isinstance(self.momentum, float) else None
+
+    def lr_scale(self, rows: int, cols: int) -> float:
+        """The per-matrix factor of the learning rate from its own ``rows x cols`` (out x
+        in): ``sqrt(max(1, R / C))``, or with ``consistent_rms = c``, ``c sqrt(max(R,
+        C))``, which gives every shape an update RMS of about ``c`` (arXiv:2502.16982;
+        0.2 matches AdamW's)."""
+        if self.consistent_rms is None:
+            return math.sqrt(max(1.0, rows / cols))
+        return math.sqrt(max(rows, cols)) * self.consistent_rms
+
+    def step(self, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
+             count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, jax.Array | None]:
+        """The direction ``O`` of a stored stack ``g`` (``dtype``), the new state and,
+        with ``adaptive``, the per-matrix ``<U, O>``; as
+        :func:`muon_optax.rule.muon.muon_step` (the same ``hp`` and state layouts; the
+        second moment is kept as is). ``count``: steps before this one."""
+        f32, mu, layout = jnp.float32, hp["momentum"], state.momentum.shape
+        g32 = g.astype(f32)
+        if not self.adam:
+            buf32 = momentum_buffer(in_layout(g32, g.shape, layout), state.momentum,
+                                    in_layout(mu, g.shape, layout))
+            stored = buf32.astype(state.momentum.dtype)
+            u = momentum_input(g32, stored.reshape(g.shape), mu, nesterov=self.nesterov)
+        else:
+            c = self.complement()
+            mu_l = in_layout(mu, g.shape, layout)
+            buf32 = ((1 - mu_l if c is None else c) * in_layout(g32, g.shape, layout)
+                     + (mu_l.astype(state.momentum.dtype) * state.momentum).astype(f32))
+            stored = buf32.astype(state.momentum.dtype)
+            buf = (stored if stored.dtype == f32 else buf32).reshape(g.shape).astype(f32)
+            t = count.astype(f32) + 1
+            if self.nesterov:
+                u = (mu * buf / (1 - mu ** (t + 1))
+                     + (1 - mu if c is None else c) * g32 / (1 - mu**t))
+            else:
+                u = buf / (1 - mu**t)
+        o = orthogonalized(u, hp["transposed"], self, dtype)
+        # <U, O> estimates the nuclear norm of U (exact for its polar factor O): O <U, O>
+        # is steepest descent under the spectral norm (arXiv:2409.20325)
+        d = jnp.sum(u * o.astype(f32), axis=(-2, -1), keepdims=True) if self.adaptive else None
+        return o, MuonStackState(after(stored, u), state.second_moment), d
+
+    def leaf_update(self, o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array,
+                    *, rows: int, cols: int) -> jax.Array:
+        """``P_new - P = -lr s O - lr wd P`` (``s``: :meth:`lr_scale`; the decay at the
+        unscaled ``lr``), in the parameter's dtype."""
+        o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
+        lr_o = lr * self.lr_scale(rows, cols)
+        return update_in_param_dtype(p32, -lr_o * o32 - (lr * weight_decay) * p32, p.dtype)
