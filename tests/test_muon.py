@@ -221,7 +221,7 @@ def test_default_leaf_update_is_the_cautious_update():
     cfg = MuonConfig.make(0.1, 0.9, 5, 0.9, 0.2)
     lr, wd = jnp.float32(0.02), jnp.float32(0.2)
     chex.assert_trees_all_equal(
-        M.leaf_update(o, p, lr, wd, rows=24, cols=8, cfg=cfg),
+        cfg.leaf_update(o, p, lr, wd, rows=24, cols=8),
         M.cautious_update(o, p, lr * M.matrix_lr_scale(24, 8), wd))
 
 

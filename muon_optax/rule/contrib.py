@@ -1,21 +1,7 @@
-"""optax.contrib.muon's and torch.optim.Muon's rule (:func:`muon_optax.contrib_muon`,
-:func:`muon_optax.torch_muon`): plain Muon, without MuonEq, Muon+ or NorMuon, beside
-nanochat's kernel (:mod:`muon_optax.rule.muon`), whose polar iteration it runs.
-
-On a stored stack ``(K, R, C)``, every operation per matrix:
-
-    buf = lerp(buf, G, 1 - mu);  U = lerp(G, buf, mu) or buf          torch (nanochat's)
-    buf = (1 - mu) G + mu buf;                                          optax (``adam``)
-    U   = mu buf / (1 - mu^(t+1)) + (1 - mu) G / (1 - mu^t)  or  buf / (1 - mu^t)
-    O   = polar(precondition(U))          frobenius, spectral, aol or schatten
-    O   = <U, O> O                        ``adaptive``; <U, O> summed over the whole leaf
-    P   = P - lr s O - lr wd P            s = sqrt(max(1, R / C)), or c sqrt(max(R, C))
-
-With ``adam``, the momentum is Adam's bias-corrected first moment, computed as optax
-computes it: the product ``mu buf`` in the buffer's dtype, ``1 - mu`` from the exact
-constant (float32's ``1 - f32(mu)`` is off by up to an ulp of ``mu``, which flips
-roundings of a bfloat16 buffer), and ``U`` from the unrounded buffer.
-"""
+"""optax.contrib.muon's and torch.optim.Muon's rule (see :func:`muon_optax.contrib_muon` and
+:func:`muon_optax.torch_muon` for the maths): plain Muon, without MuonEq, Muon+, NorMuon
+or cautious decay, beside nanochat's kernel (:mod:`muon_optax.rule.muon`), whose polar
+iteration and momentum lerps (torch's) it runs."""
 
 from __future__ import annotations
 
@@ -40,8 +26,8 @@ from muon_optax.rule.hparams import (
 from muon_optax.rule.muon import (
     MuonStackState,
     in_layout,
-    momentum_buffer,
-    momentum_input,
+    matrix_lr_scale,
+    momentum,
     orthogonalized,
 )
 from muon_optax.rule.order import after
@@ -50,12 +36,14 @@ from muon_optax.rule.polar import Coeffs, check_preconditioning, ns_coefficients
 
 @dataclasses.dataclass(frozen=True)
 class ContribConfig:
-    """A Muon group of optax.contrib.muon's or torch.optim.Muon's rule.
+    """A Muon group of optax.contrib.muon's (``adam``) or torch.optim.Muon's rule.
 
-    ``coeffs``: the ``(a, b, c)`` of each iteration; ``preconditioning`` and ``eps``: as
-    in :func:`muon_optax.rule.polar.precondition`; ``adam``: optax's bias-corrected
-    momentum (else torch's, nanochat's lerps); ``adaptive``: the ``<U, O>`` step length;
-    ``consistent_rms = c``: the lr scale ``c sqrt(max(R, C))`` (see :meth:`lr_scale`).
+    ``coeffs``: the ``(a, b, c)`` of each iteration; ``adam``: Adam's bias-corrected first
+    moment as optax computes it, ``buf = (1 - mu) G + mu buf`` with the product in the
+    buffer's dtype, ``1 - mu`` from the exact constant (float32's ``1 - f32(mu)`` is off
+    by up to an ulp of ``mu``, which flips roundings of a bfloat16 buffer) and ``U`` from
+    the unrounded buffer; else torch's (nanochat's) lerps. ``adaptive``: ``O <U, O>``,
+    ``<U, O>`` summed over the leaf; ``consistent_rms``: see :meth:`lr_scale`.
     """
 
     lr: Scalar
@@ -91,53 +79,38 @@ class ContribConfig:
             consistent_rms=None if consistent_rms is None else static_float(
                 consistent_rms, "consistent_rms", where))
 
-    @property
-    def ns_steps(self) -> int:
-        return len(self.coeffs)
-
-    @property
-    def leaf_scaled(self) -> bool:
-        """Whether the direction is scaled by a factor summed over its whole leaf (the
-        ``<U, O>`` that :meth:`step` returns per matrix, summed by the engine)."""
-        return self.adaptive
+    ns_steps = property(lambda self: len(self.coeffs))
+    leaf_scaled = property(lambda self: self.adaptive)  # the engine sums <U, O> per leaf
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
         """The hyperparameters at step ``count`` (steps taken before this one)."""
         return {k: value_at(getattr(self, k), count) for k in ("lr", "momentum", "weight_decay")}
 
     def static_key(self) -> tuple:
-        """What must agree for two matrices to share one batched program (``1 - mu``
-        from the exact constant among it, so every matrix of a stack shares it)."""
-        return (self.coeffs, self.preconditioning, self.eps, self.nesterov, self.compute_dtype,
-                self.mu_dtype, self.adam, self.adaptive, self.consistent_rms,
-                self.complement())
+        """What must agree for two matrices to share one batched program."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[3:]) + (
+            self.complement(),)
 
     def complement(self) -> float | None:
         """``1 - mu`` from the exact (Python) constant for ``adam``; None otherwise."""
         return 1.0 - self.momentum if self.adam and isinstance(self.momentum, float) else None
 
     def lr_scale(self, rows: int, cols: int) -> float:
-        """The per-matrix factor of the learning rate from its own ``rows x cols`` (out x
-        in): ``sqrt(max(1, R / C))``, or with ``consistent_rms = c``, ``c sqrt(max(R,
-        C))``, which gives every shape an update RMS of about ``c`` (arXiv:2502.16982;
-        0.2 matches AdamW's)."""
+        """The lr factor of a ``rows x cols`` (out x in) matrix: nanochat's, or with
+        ``consistent_rms = c``, ``c sqrt(max(R, C))``, an update RMS of about ``c`` for
+        every shape (arXiv:2502.16982; 0.2 matches AdamW's)."""
         if self.consistent_rms is None:
-            return math.sqrt(max(1.0, rows / cols))
+            return matrix_lr_scale(rows, cols)
         return math.sqrt(max(rows, cols)) * self.consistent_rms
 
     def step(self, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
              count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, jax.Array | None]:
-        """The direction ``O`` of a stored stack ``g`` (``dtype``), the new state and,
-        with ``adaptive``, the per-matrix ``<U, O>``; as
-        :func:`muon_optax.rule.muon.muon_step` (the same ``hp`` and state layouts; the
-        second moment is kept as is). ``count``: steps before this one."""
+        """:func:`muon_optax.rule.muon.muon_step`'s contract (the second moment kept as
+        is), and with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before."""
         f32, mu, layout = jnp.float32, hp["momentum"], state.momentum.shape
         g32 = g.astype(f32)
         if not self.adam:
-            buf32 = momentum_buffer(in_layout(g32, g.shape, layout), state.momentum,
-                                    in_layout(mu, g.shape, layout))
-            stored = buf32.astype(state.momentum.dtype)
-            u = momentum_input(g32, stored.reshape(g.shape), mu, nesterov=self.nesterov)
+            stored, u = momentum(g32, state.momentum, mu, nesterov=self.nesterov)
         else:
             c = self.complement()
             mu_l = in_layout(mu, g.shape, layout)

@@ -270,18 +270,10 @@ class MuonConfig:
 
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
-        return (self.ns_steps, self.row_equilibration, self.renormalize, self.compute_dtype,
-                self.polar_method, self.coeffs, self.preconditioning, self.nesterov,
-                self.normuon, self.cautious, self.mu_dtype, self.eps)
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[4:])
 
-    def step(self, g, state, hp, count, dtype):
-        """Steps 1-7 on a stored stack: :func:`muon_optax.rule.muon.muon_step` (``count``
-        unused: nanochat's momentum has no bias correction)."""
-        return muon.muon_step(g, state, hp, self, dtype)
-
-    def leaf_update(self, o, p, lr, weight_decay, *, rows: int, cols: int) -> jax.Array:
-        """Steps 8-9 on one leaf: :func:`muon_optax.rule.muon.leaf_update`."""
-        return muon.leaf_update(o, p, lr, weight_decay, rows=rows, cols=cols, cfg=self)
+    step = muon.muon_step          # (g, state, hp, count, dtype) -> (O, state, None)
+    leaf_update = muon.leaf_update  # (o, p, lr, weight_decay, *, rows, cols) -> update
 
 
 def static_float(value: Any, name: str, where: str) -> float:

@@ -18,7 +18,7 @@ arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
 
 Every option is a field of :class:`~muon_optax.rule.hparams.MuonConfig`. optax.contrib.muon's
 and torch.optim.Muon's rules are :mod:`muon_optax.rule.contrib`, which shares
-:func:`orthogonalized` and the momentum of :func:`momentum_buffer`/:func:`momentum_input`.
+:func:`orthogonalized` and :func:`momentum`.
 """
 
 from __future__ import annotations
@@ -61,11 +61,6 @@ def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
     if rows != cols:
         return -2 if rows < cols else -1
     return -2 if transposed is True else -1
-
-
-def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
-    """The group's hyperparameters at step ``count`` (before it is incremented)."""
-    return cfg.at(count)
 
 
 def _input_scale(x: jax.Array, transposed: bool | jax.Array,
@@ -112,22 +107,21 @@ def in_layout(x: jax.Array, shape: tuple, layout: tuple) -> jax.Array:
         jnp.broadcast_to(x, shape).reshape(layout))
 
 
-def momentum_buffer(g: jax.Array, buf: jax.Array, momentum: jax.Array) -> jax.Array:
-    """Step 1a: the new momentum buffer ``lerp(buf, G, 1 - mu)``, in float32.
+def momentum(g32: jax.Array, buf: jax.Array, mu: jax.Array, *,
+             nesterov: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Step 1: the new buffer ``lerp(buf, G, 1 - mu)``, stored (``buf``'s dtype and
+    layout), and the direction ``U``, ``lerp(G, buf, mu)`` (Nesterov) or ``buf``, in
+    float32 from the stored buffer, as nanochat reads it back after its in-place update.
 
-    ``g`` is float32, ``buf`` the stored buffer (any dtype), ``momentum`` a scalar or
-    ``(K, 1, 1)``.
+    ``g32``: float32 ``(K, R, C)``; ``buf``: any dtype, any layout of ``g32``'s size;
+    ``mu``: a scalar or ``(K, 1, 1)``.
     """
-    buf = buf.astype(jnp.float32)
-    return buf + (1 - momentum) * (g - buf)
-
-
-def momentum_input(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
-                   nesterov: bool = True) -> jax.Array:
-    """Step 1b: the direction ``U`` that is orthogonalized, in float32, from the new
-    buffer: ``lerp(G, buf, mu)`` (Nesterov) or ``buf``."""
-    buf = buf.astype(jnp.float32)
-    return g + momentum * (buf - g) if nesterov else buf
+    shape, layout = g32.shape, buf.shape
+    g_l, c = in_layout(g32, shape, layout), 1 - in_layout(mu, shape, layout)
+    old = buf.astype(jnp.float32)
+    stored = (old + c * (g_l - old)).astype(buf.dtype)
+    new = stored.reshape(shape).astype(jnp.float32)
+    return stored, g32 + mu * (new - g32) if nesterov else new
 
 
 def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
@@ -211,11 +205,12 @@ def normalized_direction(
     return o.astype(dtype), s
 
 
-def muon_step(g: jax.Array, state: MuonStackState, hp: Mapping[str, Any], cfg: MuonConfig,
-              dtype: Any) -> tuple[jax.Array, MuonStackState, None]:
-    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)``: the direction ``O``
-    (``dtype``, the parameter dtype), the new state and None (no factor summed over a
-    leaf: see :attr:`MuonConfig.leaf_scaled`).
+def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
+              count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, None]:
+    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)`` (:meth:`MuonConfig.step`):
+    the direction ``O`` (``dtype``, the parameter dtype), the new state and None (no
+    factor summed over a leaf: ``MuonConfig.leaf_scaled``). ``count`` is unused (no bias
+    correction).
 
     The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
     ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
@@ -224,12 +219,8 @@ def muon_step(g: jax.Array, state: MuonStackState, hp: Mapping[str, Any], cfg: M
     the new momentum comes back in that layout, computed only once ``U`` is, so that it
     can overwrite the old buffer. Zero padding stays exactly zero.
     """
-    g32, mu, layout = g.astype(jnp.float32), hp["momentum"], state.momentum.shape
-    buf32 = momentum_buffer(in_layout(g32, g.shape, layout), state.momentum,
-                            in_layout(mu, g.shape, layout))
-    # U from the stored (rounded) buffer, as nanochat reads it back after its update
-    stored = buf32.astype(state.momentum.dtype)
-    u = momentum_input(g32, stored.reshape(g.shape), mu, nesterov=cfg.nesterov)
+    stored, u = momentum(g.astype(jnp.float32), state.momentum, hp["momentum"],
+                         nesterov=cfg.nesterov)
     o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
                                 transposed=hp["transposed"], cfg=cfg, dtype=dtype)
     return o, MuonStackState(after(stored, u), s), None
@@ -256,9 +247,9 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
     return update_in_param_dtype(p32, update, p.dtype)
 
 
-def leaf_update(o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array, *,
-                rows: int, cols: int, cfg: MuonConfig) -> jax.Array:
-    """Steps 8-9 for one leaf from its group's ``lr`` and ``weight_decay``:
+def leaf_update(cfg: MuonConfig, o: jax.Array, p: jax.Array, lr: jax.Array,
+                weight_decay: jax.Array, *, rows: int, cols: int) -> jax.Array:
+    """Steps 8-9 for one leaf (:meth:`MuonConfig.leaf_update`):
     ``P_new - P = -lr_eff O - lr_eff wd P [mask]``, ``lr_eff = lr matrix_lr_scale(rows,
     cols)``, the mask ``O P >= 0`` when ``cfg.cautious``, else everywhere. In the
     parameter's dtype."""
