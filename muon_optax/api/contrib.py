@@ -214,8 +214,7 @@ def static_number(value: Any, name: str, where: str = "contrib_muon") -> Any:
             f"program. Leave it at its default (which inject_hyperparams does not inject), "
             f"or pass static_args=({name!r},) to optax.inject_hyperparams.")
     if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
-        scalar = np.asarray(value).item()
-        return scalar
+        return np.asarray(value).item()
     return value
 
 

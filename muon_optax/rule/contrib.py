@@ -13,23 +13,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from muon_optax.rule import hparams as hp
+from muon_optax.rule import muon
 from muon_optax.rule.adamw import update_in_param_dtype
-from muon_optax.rule.hparams import (
-    Scalar,
-    check_compute_dtype,
-    check_flag,
-    check_mu_dtype,
-    check_scalar,
-    static_float,
-    value_at,
-)
-from muon_optax.rule.muon import (
-    MuonStackState,
-    in_layout,
-    matrix_lr_scale,
-    momentum,
-    orthogonalized,
-)
 from muon_optax.rule.order import after
 from muon_optax.rule.polar import Coeffs, check_preconditioning, ns_coefficients
 
@@ -46,9 +32,9 @@ class ContribConfig:
     ``<U, O>`` summed over the leaf; ``consistent_rms``: see :meth:`lr_scale`.
     """
 
-    lr: Scalar
-    momentum: Scalar
-    weight_decay: Scalar
+    lr: hp.Scalar
+    momentum: hp.Scalar
+    weight_decay: hp.Scalar
     coeffs: Coeffs
     preconditioning: str = "frobenius"
     eps: float = 1e-8
@@ -67,24 +53,24 @@ class ContribConfig:
     def make(cls, lr, momentum, weight_decay, coeffs, *, preconditioning="frobenius",
              eps=1e-8, nesterov=True, compute_dtype=None, mu_dtype=None, adam=True,
              adaptive=False, consistent_rms=None, where="contrib_muon") -> ContribConfig:
-        return cls(
-            lr=check_scalar(lr, "lr", where), momentum=check_scalar(momentum, "momentum", where),
-            weight_decay=check_scalar(weight_decay, "weight_decay", where),
-            coeffs=ns_coefficients(coeffs, len(coeffs), where),
-            preconditioning=check_preconditioning(preconditioning, where),
-            eps=static_float(eps, "eps", where), nesterov=check_flag(nesterov, "nesterov", where),
-            compute_dtype=check_compute_dtype(compute_dtype, where),
-            mu_dtype=check_mu_dtype(mu_dtype, where), adam=check_flag(adam, "adam", where),
-            adaptive=check_flag(adaptive, "adaptive", where),
-            consistent_rms=None if consistent_rms is None else static_float(
-                consistent_rms, "consistent_rms", where))
+        scalars = (hp.check_scalar(v, n, where) for v, n in (
+            (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
+        flags = {n: hp.check_flag(v, n, where) for n, v in (
+            ("nesterov", nesterov), ("adam", adam), ("adaptive", adaptive))}
+        return cls(*scalars, ns_coefficients(coeffs, len(coeffs), where),
+                   check_preconditioning(preconditioning, where),
+                   hp.static_float(eps, "eps", where), **flags,
+                   compute_dtype=hp.check_compute_dtype(compute_dtype, where),
+                   mu_dtype=hp.check_mu_dtype(mu_dtype, where),
+                   consistent_rms=None if consistent_rms is None else hp.static_float(
+                       consistent_rms, "consistent_rms", where))
 
     ns_steps = property(lambda self: len(self.coeffs))
     leaf_scaled = property(lambda self: self.adaptive)  # the engine sums <U, O> per leaf
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
         """The hyperparameters at step ``count`` (steps taken before this one)."""
-        return {k: value_at(getattr(self, k), count) for k in ("lr", "momentum", "weight_decay")}
+        return {k: hp.value_at(getattr(self, k), count) for k in ("lr", "momentum", "weight_decay")}
 
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
@@ -100,35 +86,32 @@ class ContribConfig:
         ``consistent_rms = c``, ``c sqrt(max(R, C))``, an update RMS of about ``c`` for
         every shape (arXiv:2502.16982; 0.2 matches AdamW's)."""
         if self.consistent_rms is None:
-            return matrix_lr_scale(rows, cols)
+            return muon.matrix_lr_scale(rows, cols)
         return math.sqrt(max(rows, cols)) * self.consistent_rms
 
-    def step(self, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
-             count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, jax.Array | None]:
+    def step(self, g: jax.Array, state: muon.MuonStackState, hps: Mapping[str, Any],
+             count: jax.Array, dtype: Any) -> tuple[jax.Array, Any, jax.Array | None]:
         """:func:`muon_optax.rule.muon.muon_step`'s contract (the second moment kept as
         is), and with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before."""
-        f32, mu, layout = jnp.float32, hp["momentum"], state.momentum.shape
+        f32, mu, layout = jnp.float32, hps["momentum"], state.momentum.shape
         g32 = g.astype(f32)
         if not self.adam:
-            stored, u = momentum(g32, state.momentum, mu, nesterov=self.nesterov)
+            stored, u = muon.momentum(g32, state.momentum, mu, nesterov=self.nesterov)
         else:
             c = self.complement()
-            mu_l = in_layout(mu, g.shape, layout)
-            buf32 = ((1 - mu_l if c is None else c) * in_layout(g32, g.shape, layout)
+            mu_l = muon.in_layout(mu, g.shape, layout)
+            buf32 = ((1 - mu_l if c is None else c) * muon.in_layout(g32, g.shape, layout)
                      + (mu_l.astype(state.momentum.dtype) * state.momentum).astype(f32))
             stored = buf32.astype(state.momentum.dtype)
             buf = (stored if stored.dtype == f32 else buf32).reshape(g.shape).astype(f32)
             t = count.astype(f32) + 1
-            if self.nesterov:
-                u = (mu * buf / (1 - mu ** (t + 1))
-                     + (1 - mu if c is None else c) * g32 / (1 - mu**t))
-            else:
-                u = buf / (1 - mu**t)
-        o = orthogonalized(u, hp["transposed"], self, dtype)
+            u = (mu * buf / (1 - mu ** (t + 1)) + (1 - mu if c is None else c) * g32
+                 / (1 - mu**t) if self.nesterov else buf / (1 - mu**t))
+        o = muon.orthogonalized(u, hps["transposed"], self, dtype)
         # <U, O> estimates the nuclear norm of U (exact for its polar factor O): O <U, O>
         # is steepest descent under the spectral norm (arXiv:2409.20325)
         d = jnp.sum(u * o.astype(f32), axis=(-2, -1), keepdims=True) if self.adaptive else None
-        return o, MuonStackState(after(stored, u), state.second_moment), d
+        return o, muon.MuonStackState(after(stored, u), state.second_moment), d
 
     def leaf_update(self, o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array,
                     *, rows: int, cols: int) -> jax.Array:

@@ -199,20 +199,11 @@ class AdamWConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
-    """Hyperparameters and static options of a Muon group (see :func:`muon_optax.muon`):
-    nanochat's rule, run by :mod:`muon_optax.rule.muon`.
-
-    - ``ns_coeffs``: the ``(a, b, c)`` of each iteration (``ns_steps`` rows), or None
-      for Polar Express's first ``ns_steps``;
-    - ``preconditioning``: one of :data:`muon_optax.rule.polar.PRECONDITIONINGS`; ``eps`` is
-      the one of ``frobenius``/``spectral``;
-    - ``nesterov``: Nesterov look-ahead (else the momentum buffer itself);
-    - ``normuon``: NorMuon's variance reduction; ``cautious``: decay only where the
-      update and the weight agree in sign;
-    - ``mu_dtype``: dtype of the momentum buffer (None: the parameter's).
-
-    The engine runs a group through :meth:`step` and :meth:`leaf_update`; another rule
-    (:class:`muon_optax.rule.contrib.ContribConfig`) provides the same methods.
+    """A Muon group of nanochat's rule: :func:`muon_optax.muon`'s arguments, checked (see its
+    Args; ``ns_coeffs`` None: Polar Express's first ``ns_steps``), run by
+    :mod:`muon_optax.rule.muon`. The engine calls :meth:`at`, :meth:`static_key`,
+    :meth:`step` and :meth:`leaf_update`, which :class:`muon_optax.rule.contrib.ContribConfig`
+    (optax's and torch's rules) provides too.
     """
 
     lr: Scalar

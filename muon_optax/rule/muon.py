@@ -160,30 +160,31 @@ def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
         lambda u: _orthogonalized(u, transposed, cfg, jnp.bfloat16).astype(dtype))
 
 
-def normalized_direction(
-    u: jax.Array,
-    second_moment: jax.Array,
-    *,
-    beta2: jax.Array,
-    transposed: bool | jax.Array,
-    cfg: MuonConfig,
-    dtype: Any,
-) -> tuple[jax.Array, jax.Array]:
-    """Steps 2-7 on a stored stack ``U`` (float32): the direction ``O`` in ``dtype`` (the
-    parameter dtype) and the new NorMuon second moment.
+def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
+              count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, None]:
+    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)`` (:meth:`MuonConfig.step`):
+    the direction ``O`` (``dtype``, the parameter dtype), the new state and None (nothing
+    summed over a leaf). ``count`` is unused (nanochat's momentum has no bias correction).
+
+    The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
+    ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
+    a bool, or ``(K,)``). ``state.momentum`` may come in any layout of ``g``'s size (the
+    engine hands its flat state buffer on one device, so that XLA updates it in place);
+    the new momentum comes back in that layout, computed only once ``U`` is, so that it
+    can overwrite the old buffer. Zero padding stays exactly zero.
 
     Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
     column, so each side of the polar iteration is one pass of statistics and one
     multiply.
     """
-    f32 = jnp.float32
-    rows, cols = u.shape[-2:]
+    f32, (rows, cols), transposed = jnp.float32, g.shape[-2:], hp["transposed"]
+    stored, u = momentum(g.astype(f32), state.momentum, hp["momentum"], nesterov=cfg.nesterov)
     o = orthogonalized(u, transposed, cfg, dtype).astype(f32)
     if not cfg.normuon:
         if cfg.renormalize:  # Muon+ alone
             fro = jnp.sqrt(jnp.sum(o * o, axis=(-2, -1), keepdims=True))
             o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6))
-        return o.astype(dtype), second_moment
+        return o.astype(dtype), MuonStackState(after(stored, u), state.second_moment), None
 
     # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
     # the matrix's overall norm is kept. Muon+ (O * sqrt(min(R, C)) / ||O||_F) scales
@@ -197,33 +198,12 @@ def normalized_direction(
         r = jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6)
         v = v * (r * r)
     v_norm = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)
-    s = second_moment.astype(f32)
-    s = (s + (1 - beta2) * (v - s)).astype(second_moment.dtype)
+    s = state.second_moment.astype(f32)
+    s = (s + (1 - hp["beta2"]) * (v - s)).astype(state.second_moment.dtype)
     step = jax.lax.rsqrt(jnp.maximum(s.astype(f32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v * n * step * step, axis=(-2, -1), keepdims=True))
     o = o * (r * step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
-    return o.astype(dtype), s
-
-
-def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
-              count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, None]:
-    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)`` (:meth:`MuonConfig.step`):
-    the direction ``O`` (``dtype``, the parameter dtype), the new state and None (no
-    factor summed over a leaf: ``MuonConfig.leaf_scaled``). ``count`` is unused (no bias
-    correction).
-
-    The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
-    ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
-    a bool, or ``(K,)``). ``state.momentum`` may come in any layout of ``g``'s size (the
-    engine hands its flat state buffer on one device, so that XLA updates it in place);
-    the new momentum comes back in that layout, computed only once ``U`` is, so that it
-    can overwrite the old buffer. Zero padding stays exactly zero.
-    """
-    stored, u = momentum(g.astype(jnp.float32), state.momentum, hp["momentum"],
-                         nesterov=cfg.nesterov)
-    o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
-                                transposed=hp["transposed"], cfg=cfg, dtype=dtype)
-    return o, MuonStackState(after(stored, u), s), None
+    return o.astype(dtype), MuonStackState(after(stored, u), s), None
 
 
 def matrix_lr_scale(rows: int, cols: int) -> float:
