@@ -225,6 +225,15 @@ def test_default_leaf_update_is_the_cautious_update():
         M.cautious_update(o, p, lr * M.matrix_lr_scale(24, 8), wd))
 
 
+def test_nanochat_config_holds_only_muons_arguments():
+    # optax's and torch's switches live in rule/contrib.py, not in nanochat's kernel
+    import dataclasses
+    import inspect
+
+    fields = {f.name for f in dataclasses.fields(MuonConfig)}
+    assert fields <= set(inspect.signature(muon_optax.muon).parameters), fields
+
+
 # ------------------------------------------------- the pieces of optax.contrib.muon
 
 

@@ -221,15 +221,14 @@ class MuonConfig:
     normuon: bool = True
     cautious: bool = True
     mu_dtype: Any = None
-    eps: float = 1e-8
+    eps: ClassVar[float] = 1e-8           # of the frobenius and spectral preconditionings
     leaf_scaled: ClassVar[bool] = False  # no factor summed over a whole leaf
 
     @classmethod
     def make(cls, lr, momentum, ns_steps, beta2, weight_decay, row_equilibration=True,
              renormalize=True, compute_dtype=None, polar_method="auto", *,
              ns_coeffs="polar_express", preconditioning="basin", nesterov=True,
-             normuon=True, cautious=True, mu_dtype=None, eps=1e-8,
-             where="muon") -> MuonConfig:
+             normuon=True, cautious=True, mu_dtype=None, where="muon") -> MuonConfig:
         coeffs = ns_coefficients(ns_coeffs, ns_steps, where)
         if polar_method not in ("direct", "gram", "auto"):
             raise ValueError(f"{where}: polar_method must be 'direct' (the rule as written), "
@@ -246,8 +245,7 @@ class MuonConfig:
             polar_method=polar_method,
             ns_coeffs=None if coeffs == POLAR_EXPRESS_COEFFS[:len(coeffs)] else coeffs,
             preconditioning=check_preconditioning(preconditioning, where),
-            mu_dtype=check_mu_dtype(mu_dtype, where),
-            eps=static_float(eps, "eps", where), **flags)
+            mu_dtype=check_mu_dtype(mu_dtype, where), **flags)
 
     @property
     def coeffs(self) -> Coeffs:
