@@ -10,9 +10,10 @@ The rule, per matrix ``P`` of shape ``(out, in)``, gradient ``g`` (torch's defau
 
 It maps onto one :class:`~muon_optax.rule.contrib.ContribConfig` without ``adam``:
 nanochat's momentum (the same lerps), the Frobenius preconditioning and the
-``consistent_rms`` scale for ``"match_rms_adamw"``. Two differences from torch, both within its own
-rounding: torch divides by ``max(||U||_F, eps)`` (the same unless ``||U||_F`` is near
-``eps``), and it always runs the iteration in bfloat16 (here: ``compute_dtype``).
+``consistent_rms`` scale for ``"match_rms_adamw"``. Two differences from torch, both
+within its own rounding: torch divides by ``max(||U||_F, eps)`` (the same unless
+``||U||_F`` is near ``eps``), and it always runs the iteration in bfloat16 (here:
+``compute_dtype``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from muon_optax.rule import hparams as hp
-from muon_optax.rule import muon
+from muon_optax.rule import hparams, muon
 from muon_optax.rule.adamw import update_in_param_dtype
 from muon_optax.rule.order import after
 from muon_optax.rule.polar import Coeffs, check_preconditioning, ns_coefficients
@@ -32,9 +31,9 @@ class ContribConfig:
     ``<U, O>`` summed over the leaf; ``consistent_rms``: see :meth:`lr_scale`.
     """
 
-    lr: hp.Scalar
-    momentum: hp.Scalar
-    weight_decay: hp.Scalar
+    lr: hparams.Scalar
+    momentum: hparams.Scalar
+    weight_decay: hparams.Scalar
     coeffs: Coeffs
     preconditioning: str = "frobenius"
     eps: float = 1e-8
@@ -53,24 +52,25 @@ class ContribConfig:
     def make(cls, lr, momentum, weight_decay, coeffs, *, preconditioning="frobenius",
              eps=1e-8, nesterov=True, compute_dtype=None, mu_dtype=None, adam=True,
              adaptive=False, consistent_rms=None, where="contrib_muon") -> ContribConfig:
-        scalars = (hp.check_scalar(v, n, where) for v, n in (
+        scalars = (hparams.check_scalar(v, n, where) for v, n in (
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
-        flags = {n: hp.check_flag(v, n, where) for n, v in (
+        flags = {n: hparams.check_flag(v, n, where) for n, v in (
             ("nesterov", nesterov), ("adam", adam), ("adaptive", adaptive))}
         return cls(*scalars, ns_coefficients(coeffs, len(coeffs), where),
                    check_preconditioning(preconditioning, where),
-                   hp.static_float(eps, "eps", where), **flags,
-                   compute_dtype=hp.check_compute_dtype(compute_dtype, where),
-                   mu_dtype=hp.check_mu_dtype(mu_dtype, where),
-                   consistent_rms=None if consistent_rms is None else hp.static_float(
-                       consistent_rms, "consistent_rms", where))
+                   hparams.static_float(eps, "eps", where), **flags,
+                   compute_dtype=hparams.check_compute_dtype(compute_dtype, where),
+                   mu_dtype=hparams.check_mu_dtype(mu_dtype, where),
+                   consistent_rms=None if consistent_rms is None
+                   else hparams.static_float(consistent_rms, "consistent_rms", where))
 
     ns_steps = property(lambda self: len(self.coeffs))
     leaf_scaled = property(lambda self: self.adaptive)  # the engine sums <U, O> per leaf
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
         """The hyperparameters at step ``count`` (steps taken before this one)."""
-        return {k: hp.value_at(getattr(self, k), count) for k in ("lr", "momentum", "weight_decay")}
+        return {k: hparams.value_at(getattr(self, k), count)
+                for k in ("lr", "momentum", "weight_decay")}
 
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
@@ -89,11 +89,12 @@ class ContribConfig:
             return muon.matrix_lr_scale(rows, cols)
         return math.sqrt(max(rows, cols)) * self.consistent_rms
 
-    def step(self, g: jax.Array, state: muon.MuonStackState, hps: Mapping[str, Any],
-             count: jax.Array, dtype: Any) -> tuple[jax.Array, Any, jax.Array | None]:
+    def step(self, g: jax.Array, state: muon.MuonStackState, hp: Mapping[str, Any],
+             count: jax.Array, dtype: Any
+             ) -> tuple[jax.Array, muon.MuonStackState, jax.Array | None]:
         """:func:`muon_optax.rule.muon.muon_step`'s contract (the second moment kept as
         is), and with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before."""
-        f32, mu, layout = jnp.float32, hps["momentum"], state.momentum.shape
+        f32, mu, layout = jnp.float32, hp["momentum"], state.momentum.shape
         g32 = g.astype(f32)
         if not self.adam:
             stored, u = muon.momentum(g32, state.momentum, mu, nesterov=self.nesterov)
@@ -107,7 +108,7 @@ class ContribConfig:
             t = count.astype(f32) + 1
             u = (mu * buf / (1 - mu ** (t + 1)) + (1 - mu if c is None else c) * g32
                  / (1 - mu**t) if self.nesterov else buf / (1 - mu**t))
-        o = muon.orthogonalized(u, hps["transposed"], self, dtype)
+        o = muon.orthogonalized(u, hp["transposed"], self, dtype)
         # <U, O> estimates the nuclear norm of U (exact for its polar factor O): O <U, O>
         # is steepest descent under the spectral norm (arXiv:2409.20325)
         d = jnp.sum(u * o.astype(f32), axis=(-2, -1), keepdims=True) if self.adaptive else None
