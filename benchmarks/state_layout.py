@@ -22,7 +22,7 @@ import numpy as np
 
 import muon_optax
 from benchmarks import common
-from muon_optax.rule.muon import MuonStackState, muon_step
+from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.step import one_device
 from muon_optax.step.matrices import finish_leaves, matrix_hparams
@@ -39,7 +39,7 @@ def per_leaf_phase(plan, configs, count, mom, sec, g_leaves, p_leaves):
         state = MuonStackState(jnp.concatenate([mom[m.index] for m in st.members]),
                                jnp.concatenate([sec[m.index] for m in st.members]))
         hp = matrix_hparams(st, hps, np.arange(st.size)[None], lambda t: t[0])
-        prev, state, _ = muon_step(g, state, hp, st.config, count, st.dtype)
+        prev, state, _ = st.config.step(g, state, hp, count, st.dtype)
         first = 0
         for m, o in zip(st.members, st.unstack(prev)):
             outs[m.index] = o

@@ -19,6 +19,7 @@ import pytest
 import muon_optax
 from muon_optax import MuonDimensionNumbers
 from muon_optax.rule import polar
+from muon_optax.rule.contrib import ContribConfig
 from muon_optax.rule.hparams import MuonConfig
 
 try:
@@ -220,19 +221,25 @@ def test_default_leaf_update_is_the_cautious_update():
     cfg = MuonConfig.make(0.1, 0.9, 5, 0.9, 0.2)
     lr, wd = jnp.float32(0.02), jnp.float32(0.2)
     chex.assert_trees_all_equal(
-        M.leaf_update(o, p, lr, wd, rows=24, cols=8, cfg=cfg),
+        cfg.leaf_update(o, p, lr, wd, rows=24, cols=8),
         M.cautious_update(o, p, lr * M.matrix_lr_scale(24, 8), wd))
+
+
+def test_nanochat_config_holds_only_muons_arguments():
+    # optax's and torch's switches live in rule/contrib.py, not in nanochat's kernel
+    import dataclasses
+    import inspect
+
+    fields = {f.name for f in dataclasses.fields(MuonConfig)}
+    assert fields <= set(inspect.signature(muon_optax.muon).parameters), fields
 
 
 # ------------------------------------------------- the pieces of optax.contrib.muon
 
 
 def _contrib_cfg(**kw):
-    return MuonConfig.make(
-        1.0, kw.pop("beta", 0.95), kw.pop("ns_steps", 5), 0.0, 0.0, row_equilibration=False,
-        renormalize=False, compute_dtype=jnp.float32, polar_method="direct",
-        ns_coeffs=kw.pop("ns_coeffs", (3.4445, -4.7750, 2.0315)), normuon=False,
-        cautious=False, bias_correction=True, scale_decay=False, optax_ema=True, **kw)
+    return ContribConfig.make(1.0, kw.pop("beta", 0.95), 0.0, ((3.4445, -4.7750, 2.0315),) * 5,
+                              compute_dtype=jnp.float32, **kw)
 
 
 @pytest.mark.parametrize("consistent_rms", [None, 0.2])
@@ -243,9 +250,9 @@ def test_matrix_lr_scale_matches_scale_by_shape(shape, consistent_rms):
     dims = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
     tx = scale_by_shape(weight_dimension_numbers={"w": dims}, consistent_rms=consistent_rms)
     u, _ = tx.update({"w": jnp.ones(shape)}, tx.init(None))
-    cfg = MuonConfig.make(1.0, 0.9, 5, 0.9, 0.0, consistent_rms=consistent_rms)
+    cfg = _contrib_cfg(consistent_rms=consistent_rms)
     fan_in, fan_out = shape[-2:]
-    np.testing.assert_allclose(M.matrix_lr_scale(fan_out, fan_in, cfg), u["w"].reshape(-1)[0],
+    np.testing.assert_allclose(cfg.lr_scale(fan_out, fan_in), u["w"].reshape(-1)[0],
                                rtol=1e-6)
 
 
@@ -259,8 +266,8 @@ def test_plain_decay_with_a_mask_matches_optax():
     want, _ = tx.update({k: o[k] * scale[k] for k in o}, tx.init(p), p)
     cfg = _contrib_cfg()
     for k, (cols, rows) in shapes.items():
-        got = M.leaf_update(o[k], p[k], jnp.float32(lr(0)), jnp.float32(wd * mask[k]),
-                            rows=rows, cols=cols, cfg=cfg)
+        got = cfg.leaf_update(o[k], p[k], jnp.float32(lr(0)), jnp.float32(wd * mask[k]),
+                              rows=rows, cols=cols)
         np.testing.assert_allclose(got, want[k], rtol=1e-6, atol=1e-8)
 
 

@@ -3,7 +3,7 @@
 Same arguments, same defaults, same updates (float32: within 1e-5 of optax's parameter
 change), with the engine's stacking of same-shape matrices, ZeRO-2 sharding
 (``axis_name``, ``mesh``) and :func:`muon_optax.state_specs`. The rule, as optax 0.2.8
-computes it (each step is a piece in :mod:`muon_optax.rule.polar` and :mod:`muon_optax.muon`):
+computes it (its kernel: :mod:`muon_optax.rule.contrib`):
 
     Muon leaves (2-D by default, or as ``muon_weight_dimension_numbers`` says):
       m = beta m + (1 - beta) g
@@ -16,10 +16,10 @@ computes it (each step is a piece in :mod:`muon_optax.rule.polar` and :mod:`muon
     other leaves: optax.adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2,
       eps, adam_eps_root, adam_weight_decay, mu_dtype, nesterov)
 
-It maps onto one :class:`~muon_optax.rule.hparams.MuonConfig` (bias-corrected momentum, no
-MuonEq, Muon+ or NorMuon, plain decay unscaled by ``s``), a second one without decay
-for the Muon leaves that ``weight_decay_mask`` leaves out (the two share stacks), and
-one :class:`~muon_optax.rule.hparams.AdamWConfig` with optax's Adam options.
+It maps onto one :class:`~muon_optax.rule.contrib.ContribConfig` (the rule's kernel), a
+second one without decay for the Muon leaves that ``weight_decay_mask`` leaves out (the
+two share stacks), and one :class:`~muon_optax.rule.hparams.AdamWConfig` with optax's Adam
+options.
 """
 
 import dataclasses
@@ -39,7 +39,8 @@ from muon_optax.params.dimension_numbers import (
 )
 from muon_optax.params.labels import path_str
 from muon_optax.plan.specs import check_owner_args
-from muon_optax.rule.hparams import AdamWConfig, MuonConfig, Scalar
+from muon_optax.rule.contrib import ContribConfig
+from muon_optax.rule.hparams import AdamWConfig, Scalar
 from muon_optax.rule.polar import (
     DION_COEFFS,
     POLAR_EXPRESS_COEFFS,
@@ -213,8 +214,7 @@ def static_number(value: Any, name: str, where: str = "contrib_muon") -> Any:
             f"program. Leave it at its default (which inject_hyperparams does not inject), "
             f"or pass static_args=({name!r},) to optax.inject_hyperparams.")
     if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
-        scalar = np.asarray(value).item()
-        return scalar
+        return np.asarray(value).item()
     return value
 
 
@@ -285,15 +285,12 @@ def contrib_muon(
         consistent_rms = static_number(consistent_rms, "consistent_rms")
     coeffs = contrib_coefficients(ns_coeffs, ns_steps, where)
     check_preconditioning(preconditioning, where, CONTRIB_PRECONDITIONINGS)
-    muon_cfg = MuonConfig.make(
-        learning_rate, beta, len(coeffs), 0.0, weight_decay, row_equilibration=False,
-        renormalize=False, compute_dtype=jnp.float32, polar_method="direct",
-        ns_coeffs=coeffs, preconditioning=preconditioning, nesterov=nesterov,
-        normuon=False, cautious=False, mu_dtype=mu_dtype, eps=eps, bias_correction=True,
-        adaptive=adaptive, consistent_rms=consistent_rms, scale_decay=False,
-        optax_ema=True, where=where)
+    muon_cfg = ContribConfig.make(
+        learning_rate, beta, weight_decay, coeffs, preconditioning=preconditioning, eps=eps,
+        nesterov=nesterov, compute_dtype=jnp.float32, mu_dtype=mu_dtype, adaptive=adaptive,
+        consistent_rms=consistent_rms, where=where)
     adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-    configs: dict[str, AdamWConfig | MuonConfig] = {
+    configs: dict[str, AdamWConfig | ContribConfig] = {
         MUON: muon_cfg,
         ADAM: AdamWConfig.make(adam_lr, (adam_b1, adam_b2), eps, adam_weight_decay,
                                where=f"{where} (its Adam)", eps_root=adam_eps_root,

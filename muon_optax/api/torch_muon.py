@@ -8,12 +8,12 @@ The rule, per matrix ``P`` of shape ``(out, in)``, gradient ``g`` (torch's defau
     P   = P - lr wd P - lr s O                  s = sqrt(max(1, out / in))   ("original")
                                                 s = 0.2 sqrt(max(out, in))   ("match_rms_adamw")
 
-It maps onto one :class:`~muon_optax.rule.hparams.MuonConfig`: nanochat's momentum (the same
-lerps), no MuonEq, Muon+ or NorMuon, plain decay at the unscaled learning rate
-(``scale_decay=False``), optax's Frobenius preconditioning and the ``consistent_rms``
-scale for ``"match_rms_adamw"``. Two differences from torch, both within its own
-rounding: torch divides by ``max(||U||_F, eps)`` (the same unless ``||U||_F`` is near
-``eps``), and it always runs the iteration in bfloat16 (here: ``compute_dtype``).
+It maps onto one :class:`~muon_optax.rule.contrib.ContribConfig` without ``adam``:
+nanochat's momentum (the same lerps), the Frobenius preconditioning and the
+``consistent_rms`` scale for ``"match_rms_adamw"``. Two differences from torch, both
+within its own rounding: torch divides by ``max(||U||_F, eps)`` (the same unless
+``||U||_F`` is near ``eps``), and it always runs the iteration in bfloat16 (here:
+``compute_dtype``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from muon_optax.api.optimizer import build
 from muon_optax.params.dimension_numbers import MuonDimensionNumbers
 from muon_optax.params.labels import path_str
 from muon_optax.plan.specs import check_owner_args
-from muon_optax.rule.hparams import MuonConfig, Scalar
+from muon_optax.rule.contrib import ContribConfig
+from muon_optax.rule.hparams import Scalar
 
 TORCH_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 ADJUST_LR_FNS = {None: None, "original": None, "match_rms_adamw": 0.2}
@@ -130,12 +131,10 @@ def torch_muon(
     for value, name in ((lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")):
         _non_negative(value, name)
     coeffs = _coefficients(ns_coefficients, ns_steps)
-    cfg = MuonConfig.make(
-        lr, momentum, len(coeffs), 0.0, weight_decay, row_equilibration=False,
-        renormalize=False, compute_dtype=compute_dtype, polar_method="direct",
-        ns_coeffs=coeffs, preconditioning="frobenius", nesterov=nesterov, normuon=False,
-        cautious=False, eps=eps, consistent_rms=ADJUST_LR_FNS[adjust_lr_fn],
-        scale_decay=False, where=_WHERE)
+    cfg = ContribConfig.make(
+        lr, momentum, weight_decay, coeffs, eps=eps, nesterov=nesterov,
+        compute_dtype=compute_dtype, adam=False, consistent_rms=ADJUST_LR_FNS[adjust_lr_fn],
+        where=_WHERE)
     check_owner_args(axis_name, mesh, _WHERE)
     return build({"muon": cfg}, _labels,
                  dimension_numbers=PYTORCH_LAYOUT if dimension_numbers is None

@@ -42,7 +42,7 @@ from muon_optax.plan.owners import assign_owners, slot_table, slots_from_owners
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL, Route, classify, local_holders
 from muon_optax.plan.specs import Spec, adamw_shard_axis, padded_shape
 from muon_optax.plan.warn import warn
-from muon_optax.rule.hparams import MuonConfig
+from muon_optax.rule.hparams import AdamWConfig
 from muon_optax.rule.polar import choose_method, default_compute_dtype, polar_flops
 
 # Elementwise FLOPs per element of a Muon matrix around its polar iteration (momentum,
@@ -380,7 +380,7 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
     adamw_leaves, matrices, kinds = [], [], {}
     for i, (path, x, label) in enumerate(zip(paths, leaves, labels)):
         shape = tuple(x.shape)
-        if isinstance(configs[label], MuonConfig):
+        if not isinstance(configs[label], AdamWConfig):
             leaf = matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             matrices.append(leaf)

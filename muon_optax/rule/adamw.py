@@ -11,10 +11,13 @@ parameter's dtype, and the new parameter is rounded to it once (see
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
-from muon_optax.rule.hparams import AdamWConfig
+if TYPE_CHECKING:  # the config imports the kernels, not the other way
+    from muon_optax.rule.hparams import AdamWConfig
 
 
 def update_in_param_dtype(p32: jax.Array, update32: jax.Array, dtype) -> jax.Array:

@@ -20,12 +20,13 @@ import dataclasses
 import difflib
 import numbers
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muon_optax.rule import muon
 from muon_optax.rule.polar import (
     POLAR_EXPRESS_COEFFS,
     Coeffs,
@@ -49,7 +50,7 @@ def value_at(x: Scalar, count: jax.Array) -> jax.Array:
     return jnp.asarray(x(count) if callable(x) else x, jnp.float32)
 
 
-def _check_scalar(value: Any, name: str, where: str) -> Scalar:
+def check_scalar(value: Any, name: str, where: str) -> Scalar:
     """A number becomes a Python float; a 0-d array (traced or not) stays an array.
 
     ``optax.inject_hyperparams`` hands every hyperparameter in as a 0-d ``jnp`` array,
@@ -105,7 +106,7 @@ def check_schedule_shape(schedule: Callable, name: str, where: str) -> None:
                         f"must return one number per step (a scalar).")
 
 
-def _check_compute_dtype(compute_dtype: Any, where: str) -> Any:
+def check_compute_dtype(compute_dtype: Any, where: str) -> Any:
     if compute_dtype is None:
         return None
     if isinstance(compute_dtype, (jax.Array, np.ndarray)):
@@ -118,7 +119,7 @@ def _check_compute_dtype(compute_dtype: Any, where: str) -> Any:
     return _check_dtype(compute_dtype, "compute_dtype", where, "the backend's default")
 
 
-def _check_flag(flag: Any, name: str, where: str) -> bool:
+def check_flag(flag: Any, name: str, where: str) -> bool:
     if not isinstance(flag, bool):
         raise TypeError(f"{where}: {name} must be True or False, got {flag!r}.")
     return flag
@@ -138,7 +139,7 @@ def _check_dtype(dtype: Any, name: str, where: str, default: str) -> Any:
     return dtype
 
 
-def _mu_dtype(dtype: Any, where: str) -> Any:
+def check_mu_dtype(dtype: Any, where: str) -> Any:
     """A momentum dtype as JAX stores it (float64 is float32 without x64), or None."""
     dtype = _check_dtype(dtype, "mu_dtype", where, "the parameter dtype")
     return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
@@ -170,13 +171,13 @@ class AdamWConfig:
              nesterov=False, mu_dtype=None, optax_ema=False) -> AdamWConfig:
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"{where}: betas must be a pair (b1, b2), got {betas!r}.")
-        scalars = (_check_scalar(v, n, where) for v, n in (
+        scalars = (check_scalar(v, n, where) for v, n in (
             (lr, "lr"), (betas[0], "betas[0]"), (betas[1], "betas[1]"), (eps, "eps"),
             (weight_decay, "weight_decay")))
-        return cls(*scalars, eps_root=_check_scalar(eps_root, "eps_root", where),
-                   nesterov=_check_flag(nesterov, "nesterov", where),
-                   mu_dtype=_mu_dtype(mu_dtype, where),
-                   optax_ema=_check_flag(optax_ema, "optax_ema", where))
+        return cls(*scalars, eps_root=check_scalar(eps_root, "eps_root", where),
+                   nesterov=check_flag(nesterov, "nesterov", where),
+                   mu_dtype=check_mu_dtype(mu_dtype, where),
+                   optax_ema=check_flag(optax_ema, "optax_ema", where))
 
     def needs_params(self) -> bool:
         """Whether ``update`` reads the params: weight decay not known to be zero.
@@ -198,27 +199,11 @@ class AdamWConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
-    """Hyperparameters and static options of a Muon group (see :func:`muon_optax.muon`).
-
-    The defaults are nanochat's rule. The options after ``polar_method`` choose another
-    rule (:func:`muon_optax.contrib_muon` sets them to optax.contrib.muon's):
-
-    - ``ns_coeffs``: the ``(a, b, c)`` of each iteration (``ns_steps`` rows), or None
-      for Polar Express's first ``ns_steps``;
-    - ``preconditioning``: one of :data:`muon_optax.rule.polar.PRECONDITIONINGS`; ``eps`` is
-      the one of ``frobenius``/``spectral``;
-    - ``nesterov``: Nesterov look-ahead (else the momentum buffer itself);
-      ``bias_correction``: divide by ``1 - momentum^t`` as Adam does (needs the step);
-    - ``normuon``: NorMuon's variance reduction; ``cautious``: decay only where the
-      update and the weight agree in sign;
-    - ``mu_dtype``: dtype of the momentum buffer (None: the parameter's);
-      ``optax_ema``: ``buf = (1 - mu) g + mu buf`` as optax computes it, the product
-      ``mu buf`` in the buffer's dtype and ``1 - mu`` from the exact constant (else a
-      float32 lerp);
-    - ``adaptive``: scale the direction by ``<U, O>`` summed over the leaf;
-    - ``consistent_rms``: the lr scale ``sqrt(max(R, C)) * consistent_rms`` instead of
-      ``sqrt(max(1, R / C))`` (see :func:`muon_optax.rule.muon.matrix_lr_scale`);
-    - ``scale_decay``: the decay's lr includes that scale (nanochat) or not (optax).
+    """A Muon group of nanochat's rule: :func:`muon_optax.muon`'s arguments, checked (see its
+    Args; ``ns_coeffs`` None: Polar Express's first ``ns_steps``), run by
+    :mod:`muon_optax.rule.muon`. The engine calls :meth:`at`, :meth:`static_key`,
+    :meth:`step` and :meth:`leaf_update`, which :class:`muon_optax.rule.contrib.ContribConfig`
+    (optax's and torch's rules) provides too.
     """
 
     lr: Scalar
@@ -236,57 +221,31 @@ class MuonConfig:
     normuon: bool = True
     cautious: bool = True
     mu_dtype: Any = None
-    eps: float = 1e-8
-    bias_correction: bool = False
-    adaptive: bool = False
-    consistent_rms: float | None = None
-    scale_decay: bool = True
-    optax_ema: bool = False
+    eps: ClassVar[float] = 1e-8           # of the frobenius and spectral preconditionings
+    leaf_scaled: ClassVar[bool] = False  # no factor summed over a whole leaf
 
     @classmethod
     def make(cls, lr, momentum, ns_steps, beta2, weight_decay, row_equilibration=True,
              renormalize=True, compute_dtype=None, polar_method="auto", *,
              ns_coeffs="polar_express", preconditioning="basin", nesterov=True,
-             normuon=True, cautious=True, mu_dtype=None, eps=1e-8, bias_correction=False,
-             adaptive=False, consistent_rms=None, scale_decay=True,
-             optax_ema=False, where="muon") -> MuonConfig:
+             normuon=True, cautious=True, mu_dtype=None, where="muon") -> MuonConfig:
         coeffs = ns_coefficients(ns_coeffs, ns_steps, where)
         if polar_method not in ("direct", "gram", "auto"):
             raise ValueError(f"{where}: polar_method must be 'direct' (the rule as written), "
                              f"'gram' or 'auto', got {polar_method!r}.")
-        flags = {name: _check_flag(value, name, where) for name, value in (
+        flags = {name: check_flag(value, name, where) for name, value in (
             ("row_equilibration", row_equilibration), ("renormalize", renormalize),
-            ("nesterov", nesterov), ("normuon", normuon), ("cautious", cautious),
-            ("bias_correction", bias_correction), ("adaptive", adaptive),
-            ("scale_decay", scale_decay), ("optax_ema", optax_ema))}
-        if flags["adaptive"] and (flags["normuon"] or flags["renormalize"]):
-            raise ValueError(f"{where}: adaptive (optax.contrib.muon's <U, O> scaling) "
-                             "applies to the polar factor itself: use it with "
-                             "normuon=False and renormalize=False, whose rescalings would "
-                             "undo or reshape it.")
+            ("nesterov", nesterov), ("normuon", normuon), ("cautious", cautious))}
         return cls(
-            lr=_check_scalar(lr, "lr", where),
-            momentum=_check_scalar(momentum, "momentum", where),
-            beta2=_check_scalar(beta2, "beta2", where),
-            weight_decay=_check_scalar(weight_decay, "weight_decay", where),
-            ns_steps=len(coeffs), compute_dtype=_check_compute_dtype(compute_dtype, where),
+            lr=check_scalar(lr, "lr", where),
+            momentum=check_scalar(momentum, "momentum", where),
+            beta2=check_scalar(beta2, "beta2", where),
+            weight_decay=check_scalar(weight_decay, "weight_decay", where),
+            ns_steps=len(coeffs), compute_dtype=check_compute_dtype(compute_dtype, where),
             polar_method=polar_method,
             ns_coeffs=None if coeffs == POLAR_EXPRESS_COEFFS[:len(coeffs)] else coeffs,
             preconditioning=check_preconditioning(preconditioning, where),
-            mu_dtype=_mu_dtype(mu_dtype, where),
-            eps=_static_float(eps, "eps", where),
-            consistent_rms=None if consistent_rms is None else _static_float(
-                consistent_rms, "consistent_rms", where),
-            **flags)
-
-    def momentum_complement(self) -> float | None:
-        """``1 - momentum`` from the exact constant, for ``optax_ema``; None otherwise.
-
-        It is part of :meth:`static_key`, so every matrix of a stack shares it.
-        """
-        if self.optax_ema and isinstance(self.momentum, float):
-            return 1.0 - self.momentum
-        return None
+            mu_dtype=check_mu_dtype(mu_dtype, where), **flags)
 
     @property
     def coeffs(self) -> Coeffs:
@@ -300,14 +259,13 @@ class MuonConfig:
 
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
-        return (self.ns_steps, self.row_equilibration, self.renormalize, self.compute_dtype,
-                self.polar_method, self.coeffs, self.preconditioning, self.nesterov,
-                self.normuon, self.cautious, self.mu_dtype, self.eps, self.bias_correction,
-                self.adaptive, self.consistent_rms, self.scale_decay, self.optax_ema,
-                self.momentum_complement())
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[4:])
+
+    step = muon.muon_step          # (g, state, hp, count, dtype) -> (O, state, None)
+    leaf_update = muon.leaf_update  # (o, p, lr, weight_decay, *, rows, cols) -> update
 
 
-def _static_float(value: Any, name: str, where: str) -> float:
+def static_float(value: Any, name: str, where: str) -> float:
     """A number fixed at construction (it shapes the program, not a schedule's value)."""
     try:
         number = float(value)

@@ -16,26 +16,21 @@ matrix stored transposed equilibrates its stored columns instead. ``lr_eff`` is
 ``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
 arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
 
-Every step has a switch in :class:`~muon_optax.rule.hparams.MuonConfig`, and the other
-choices are optax.contrib.muon's (see :func:`muon_optax.contrib_muon`):
-
-    U   = buf (nesterov=False);  with bias_correction, Adam's ``1 - mu^t`` factors
-    X   = precondition(U): basin, frobenius, spectral, or aol/schatten in step one
-    O   = <U, O> O                                                    adaptive
-    P   = P - lr s O - lr_d wd P [mask]       s = matrix_lr_scale, lr_d = lr s or lr
+Every option is a field of :class:`~muon_optax.rule.hparams.MuonConfig`. optax.contrib.muon's
+and torch.optim.Muon's rules are :mod:`muon_optax.rule.contrib`, which shares
+:func:`orthogonalized` and :func:`momentum`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from muon_optax.rule.adamw import update_in_param_dtype
-from muon_optax.rule.hparams import MuonConfig
 from muon_optax.rule.order import after
 from muon_optax.rule.polar import (
     overflow_scale,
@@ -43,6 +38,9 @@ from muon_optax.rule.polar import (
     polar_express_stack,
     precondition,
 )
+
+if TYPE_CHECKING:  # the config imports the kernel, not the other way
+    from muon_optax.rule.hparams import MuonConfig
 
 
 class MuonStackState(NamedTuple):
@@ -63,11 +61,6 @@ def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
     if rows != cols:
         return -2 if rows < cols else -1
     return -2 if transposed is True else -1
-
-
-def muon_hparams(cfg: MuonConfig, count: jax.Array) -> dict[str, jax.Array]:
-    """The group's hyperparameters at step ``count`` (before it is incremented)."""
-    return cfg.at(count)
 
 
 def _input_scale(x: jax.Array, transposed: bool | jax.Array,
@@ -107,53 +100,28 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
     return jnp.where(transposed[:, None, None], factor(-2), factor(-1))
 
 
-def momentum_buffer(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
-                    optax_ema: bool = False, complement: float | None = None) -> jax.Array:
-    """Step 1a: the new momentum buffer ``lerp(buf, G, 1 - mu)``, in float32.
+def in_layout(x: jax.Array, shape: tuple, layout: tuple) -> jax.Array:
+    """``x`` (of ``shape``, or a scalar or ``(K, 1, 1)`` factor broadcast to it) in the
+    momentum buffer's ``layout``, which holds as many elements as ``shape``."""
+    return x if jnp.ndim(x) == 0 or layout == shape else (
+        jnp.broadcast_to(x, shape).reshape(layout))
 
-    ``g`` is float32, ``buf`` the stored buffer (any dtype), ``momentum`` a scalar or
-    ``(K, 1, 1)``. ``optax_ema``: ``(1 - mu) g + mu buf`` with the product ``mu buf`` in
-    the buffer's dtype, as optax computes it; ``complement``, if given, is ``1 - mu``
-    from the exact (Python) ``mu`` (float32's ``1 - f32(mu)`` is off by up to an ulp of
-    ``mu``, which flips roundings of a bfloat16 buffer).
+
+def momentum(g32: jax.Array, buf: jax.Array, mu: jax.Array, *,
+             nesterov: bool = True) -> tuple[jax.Array, jax.Array]:
+    """Step 1: the new buffer ``lerp(buf, G, 1 - mu)``, stored (``buf``'s dtype and
+    layout), and the direction ``U``, ``lerp(G, buf, mu)`` (Nesterov) or ``buf``, in
+    float32 from the stored buffer, as nanochat reads it back after its in-place update.
+
+    ``g32``: float32 ``(K, R, C)``; ``buf``: any dtype, any layout of ``g32``'s size;
+    ``mu``: a scalar or ``(K, 1, 1)``.
     """
-    c = 1 - momentum if complement is None else complement
-    if optax_ema:
-        return c * g + (momentum.astype(buf.dtype) * buf).astype(jnp.float32)
-    buf = buf.astype(jnp.float32)
-    return buf + c * (g - buf)
-
-
-def momentum_input(g: jax.Array, buf: jax.Array, momentum: jax.Array, *,
-                   nesterov: bool = True, count: jax.Array | None = None,
-                   complement: float | None = None) -> jax.Array:
-    """Step 1b: the direction ``U`` that is orthogonalized, in float32, from the new
-    buffer: ``lerp(G, buf, mu)`` (Nesterov) or ``buf``. With ``count`` (steps taken
-    before this one, ``t = count + 1``) both terms are bias-corrected as in Adam:
-    ``mu buf / (1 - mu^(t+1)) + (1 - mu) G / (1 - mu^t)``, or ``buf / (1 - mu^t)``."""
-    buf = buf.astype(jnp.float32)
-    if count is None:
-        return g + momentum * (buf - g) if nesterov else buf
-    c = 1 - momentum if complement is None else complement
-    t = count.astype(jnp.float32) + 1
-    if nesterov:
-        return momentum * buf / (1 - momentum ** (t + 1)) + c * g / (1 - momentum**t)
-    return buf / (1 - momentum**t)
-
-
-def reads_back(cfg: MuonConfig, buf_dtype: Any) -> bool:
-    """Whether ``U`` is formed from the stored (rounded) buffer, as nanochat reads it back
-    after its in-place update, or from the float32 one, as optax does. The same when the
-    buffer is float32."""
-    return not cfg.optax_ema or jnp.dtype(buf_dtype) == jnp.float32
-
-
-def dual_norm(u: jax.Array, o: jax.Array) -> jax.Array:
-    """``<U, O>`` per matrix, ``(K, 1, 1)``: ``adaptive``'s step length ``O <U, O>``, the
-    steepest-descent step under the spectral norm. ``<U, O>`` estimates the nuclear norm
-    of ``U`` (exact when ``O`` is its polar factor; arXiv:2409.20325); it is summed over a
-    whole parameter leaf (several matrices when the leaf has batch axes) by the engine."""
-    return jnp.sum(u * o, axis=(-2, -1), keepdims=True)
+    shape, layout = g32.shape, buf.shape
+    g_l, c = in_layout(g32, shape, layout), 1 - in_layout(mu, shape, layout)
+    old = buf.astype(jnp.float32)
+    stored = (old + c * (g_l - old)).astype(buf.dtype)
+    new = stored.reshape(shape).astype(jnp.float32)
+    return stored, g32 + mu * (new - g32) if nesterov else new
 
 
 def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
@@ -179,8 +147,8 @@ def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
     return jnp.swapaxes(o, -1, -2) if on_cols else o
 
 
-def _orthogonalized_as(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
-                       dtype: Any) -> jax.Array:
+def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
+                   dtype: Any) -> jax.Array:
     """:func:`_orthogonalized` rounded to ``dtype`` (the rule rounds ``O`` to the
     parameter dtype). Without ``cfg.compute_dtype``: float32 when compiled for CPU,
     bfloat16 for accelerators, as the step is lowered (``lax.platform_dependent``; a
@@ -192,31 +160,31 @@ def _orthogonalized_as(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConf
         lambda u: _orthogonalized(u, transposed, cfg, jnp.bfloat16).astype(dtype))
 
 
-def normalized_direction(
-    u: jax.Array,
-    second_moment: jax.Array,
-    *,
-    beta2: jax.Array,
-    transposed: bool | jax.Array,
-    cfg: MuonConfig,
-    dtype: Any,
-) -> tuple[jax.Array, jax.Array]:
-    """Steps 2-7 on a stored stack ``U`` (float32): the direction ``O`` in ``dtype`` (the
-    parameter dtype) and the new NorMuon second moment (``adaptive``'s scaling is not
-    applied here: it needs the whole leaf, see :func:`dual_norm`).
+def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
+              count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, None]:
+    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)`` (:meth:`MuonConfig.step`):
+    the direction ``O`` (``dtype``, the parameter dtype), the new state and None (nothing
+    summed over a leaf). ``count`` is unused (nanochat's momentum has no bias correction).
+
+    The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
+    ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
+    a bool, or ``(K,)``). ``state.momentum`` may come in any layout of ``g``'s size (the
+    engine hands its flat state buffer on one device, so that XLA updates it in place);
+    the new momentum comes back in that layout, computed only once ``U`` is, so that it
+    can overwrite the old buffer. Zero padding stays exactly zero.
 
     Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
     column, so each side of the polar iteration is one pass of statistics and one
     multiply.
     """
-    f32 = jnp.float32
-    rows, cols = u.shape[-2:]
-    o = _orthogonalized_as(u, transposed, cfg, dtype).astype(f32)
+    f32, (rows, cols), transposed = jnp.float32, g.shape[-2:], hp["transposed"]
+    stored, u = momentum(g.astype(f32), state.momentum, hp["momentum"], nesterov=cfg.nesterov)
+    o = orthogonalized(u, transposed, cfg, dtype).astype(f32)
     if not cfg.normuon:
         if cfg.renormalize:  # Muon+ alone
             fro = jnp.sqrt(jnp.sum(o * o, axis=(-2, -1), keepdims=True))
             o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6))
-        return o.astype(dtype), second_moment
+        return o.astype(dtype), MuonStackState(after(stored, u), state.second_moment), None
 
     # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
     # the matrix's overall norm is kept. Muon+ (O * sqrt(min(R, C)) / ||O||_F) scales
@@ -230,59 +198,18 @@ def normalized_direction(
         r = jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6)
         v = v * (r * r)
     v_norm = jnp.sqrt(jnp.sum(v, axis=(-2, -1), keepdims=True) * n)
-    s = second_moment.astype(f32)
-    s = (s + (1 - beta2) * (v - s)).astype(second_moment.dtype)
+    s = state.second_moment.astype(f32)
+    s = (s + (1 - hp["beta2"]) * (v - s)).astype(state.second_moment.dtype)
     step = jax.lax.rsqrt(jnp.maximum(s.astype(f32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v * n * step * step, axis=(-2, -1), keepdims=True))
     o = o * (r * step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
-    return o.astype(dtype), s
+    return o.astype(dtype), MuonStackState(after(stored, u), s), None
 
 
-def muon_step(g: jax.Array, state: MuonStackState, hp: Mapping[str, Any], cfg: MuonConfig,
-              count: jax.Array, dtype: Any
-              ) -> tuple[jax.Array, MuonStackState, jax.Array | None]:
-    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)``: the direction ``O``
-    (``dtype``, the parameter dtype), the new state and, with ``cfg.adaptive``, the
-    per-matrix ``<U, O>`` (summed over each leaf by the caller, which scales ``O``).
-
-    The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
-    ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
-    a bool, or ``(K,)``). ``count``: steps before this one (``bias_correction``).
-    ``state.momentum`` may come in any layout of ``g``'s size (the engine hands its flat
-    state buffer on one device, so that XLA updates it in place); the new momentum comes
-    back in that layout, computed only once ``U`` is, so that it can overwrite the old
-    buffer. Zero padding stays exactly zero.
-    """
-    g32, mu = g.astype(jnp.float32), hp["momentum"]
-    layout = state.momentum.shape
-
-    def in_layout(x):
-        return x if jnp.ndim(x) == 0 or layout == g.shape else (
-            jnp.broadcast_to(x, g.shape).reshape(layout))
-
-    complement = cfg.momentum_complement()
-    buf32 = momentum_buffer(in_layout(g32), state.momentum, in_layout(mu),
-                            optax_ema=cfg.optax_ema, complement=complement)
-    stored = buf32.astype(state.momentum.dtype)
-    read = stored if reads_back(cfg, stored.dtype) else buf32
-    u = momentum_input(g32, read.reshape(g.shape), mu, nesterov=cfg.nesterov,
-                       count=count if cfg.bias_correction else None, complement=complement)
-    o, s = normalized_direction(u, state.second_moment, beta2=hp["beta2"],
-                                transposed=hp["transposed"], cfg=cfg, dtype=dtype)
-    d = dual_norm(u, o.astype(jnp.float32)) if cfg.adaptive else None
-    return o, MuonStackState(after(stored, u), s), d
-
-
-def matrix_lr_scale(rows: int, cols: int, cfg: MuonConfig | None = None) -> float:
-    """The per-matrix factor of the learning rate, from its own ``rows x cols`` (out x in).
-
-    nanochat's (and optax's default) aspect factor ``sqrt(max(1, R / C))``; with
-    ``cfg.consistent_rms = c``, ``c sqrt(max(R, C))``, which gives every shape an update
-    RMS of about ``c`` (arXiv:2502.16982; 0.2 matches AdamW's).
-    """
-    if cfg is None or cfg.consistent_rms is None:
-        return math.sqrt(max(1.0, rows / cols))
-    return math.sqrt(max(rows, cols)) * cfg.consistent_rms
+def matrix_lr_scale(rows: int, cols: int) -> float:
+    """The per-matrix factor of the learning rate, from its own ``rows x cols`` (out x in):
+    ``sqrt(max(1, R / C))``."""
+    return math.sqrt(max(1.0, rows / cols))
 
 
 def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
@@ -300,18 +227,14 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
     return update_in_param_dtype(p32, update, p.dtype)
 
 
-def leaf_update(o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array, *,
-                rows: int, cols: int, cfg: MuonConfig) -> jax.Array:
-    """Steps 8-9 for one leaf from its group's ``lr`` and ``weight_decay``.
-
-    ``P_new - P = -lr s O - lr_d wd P [mask]``: ``s = matrix_lr_scale(rows, cols, cfg)``;
-    ``lr_d = lr s`` (``cfg.scale_decay``, nanochat) or ``lr`` (optax); the mask is
-    ``O P >= 0`` when ``cfg.cautious``, else everywhere. In the parameter's dtype.
-    """
-    lr_o = lr * matrix_lr_scale(rows, cols, cfg)
-    if cfg.cautious and cfg.scale_decay:
-        return cautious_update(o, p, lr_o, weight_decay)
+def leaf_update(cfg: MuonConfig, o: jax.Array, p: jax.Array, lr: jax.Array,
+                weight_decay: jax.Array, *, rows: int, cols: int) -> jax.Array:
+    """Steps 8-9 for one leaf (:meth:`MuonConfig.leaf_update`):
+    ``P_new - P = -lr_eff O - lr_eff wd P [mask]``, ``lr_eff = lr matrix_lr_scale(rows,
+    cols)``, the mask ``O P >= 0`` when ``cfg.cautious``, else everywhere. In the
+    parameter's dtype."""
+    lr_eff = lr * matrix_lr_scale(rows, cols)
+    if cfg.cautious:
+        return cautious_update(o, p, lr_eff, weight_decay)
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
-    decayed = jnp.where(o32 * p32 >= 0, p32, 0.0) if cfg.cautious else p32
-    lr_d = lr_o if cfg.scale_decay else lr
-    return update_in_param_dtype(p32, -lr_o * o32 - (lr_d * weight_decay) * decayed, p.dtype)
+    return update_in_param_dtype(p32, -lr_eff * o32 - (lr_eff * weight_decay) * p32, p.dtype)

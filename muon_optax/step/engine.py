@@ -44,9 +44,8 @@ from muon_optax.plan.specs import (
     placed_specs,
 )
 from muon_optax.plan.warn import warn_if_split
-from muon_optax.rule.adamw import adamw_hparams, adamw_leaf_update
+from muon_optax.rule.adamw import adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
-from muon_optax.rule.muon import muon_hparams
 from muon_optax.step import one_device as single
 from muon_optax.step import sharded as stacks
 from muon_optax.step.collectives import Collectives, pad_to, varying_axes
@@ -332,8 +331,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
                                            per_device=True, skipped=opts.skip_nonfinite),
                  opts.name, dtypes)
     count = state.count
-    hps = {name: (adamw_hparams(c, count) if isinstance(c, AdamWConfig)
-                  else muon_hparams(c, count)) for name, c in opts.configs.items()}
+    hps = {name: c.at(count) for name, c in opts.configs.items()}
     late = _late_adamw(plan, comm)
     early = dataclasses.replace(plan, adamw=tuple(a for a in plan.adamw if a not in late))
     adamw_grads = _adamw_grads(early, comm, g_leaves, p_leaves)
@@ -377,7 +375,7 @@ def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
 
 
 def _needs_params(opts: Options) -> bool:
-    return any(isinstance(c, MuonConfig) or c.needs_params() for c in opts.configs.values())
+    return any(not isinstance(c, AdamWConfig) or c.needs_params() for c in opts.configs.values())
 
 
 def local_fns(opts: Options):

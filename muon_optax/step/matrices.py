@@ -13,7 +13,6 @@ import numpy as np
 
 from muon_optax.params.layout import Stack
 from muon_optax.plan.plan import TreePlan
-from muon_optax.rule.muon import leaf_update
 
 
 def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
@@ -27,7 +26,7 @@ def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
     slots = np.maximum(slots, 0)
     groups = sorted({m.group for m in members})
     out: dict[str, Any] = {}
-    for key in ("momentum", "beta2"):
+    for key in [k for k in ("momentum", "beta2") if k in hps[groups[0]]]:
         if len(groups) == 1:
             out[key] = hps[groups[0]][key]
         else:  # a stack shared by groups: each matrix's group value
@@ -51,8 +50,8 @@ def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict
         hp, o = hps[m.group], directions[m.index]
         if m.index in scales:
             o = o.astype(jnp.float32) * scales[m.index]
-        updates[m.index] = leaf_update(o, p_leaves[m.index], hp["lr"], hp["weight_decay"],
-                                       rows=m.rows, cols=m.cols, cfg=configs[m.group])
+        updates[m.index] = configs[m.group].leaf_update(
+            o, p_leaves[m.index], hp["lr"], hp["weight_decay"], rows=m.rows, cols=m.cols)
 
 
 def chunk_bytes(plan: TreePlan) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 from muon_optax.params.layout import Stack
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule import polar
-from muon_optax.rule.muon import MuonStackState, muon_step
+from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.step.guard import scaled
 from muon_optax.step.matrices import chunk_bytes, chunks, finish_leaves, matrix_hparams
@@ -56,7 +56,7 @@ def _chunk_step(sp: StackPlan, bufs: MuonBuffers, g: jax.Array, lo: int, hi: int
     if not whole:
         state = MuonStackState(bufs.momentum[lo:hi], bufs.second_moment[lo:hi])
     hp = matrix_hparams(st, hps, np.arange(lo, hi)[None], lambda t: np.asarray(t)[0])
-    o, state, d = muon_step(g, state, hp, st.config, count, st.dtype)
+    o, state, d = st.config.step(g, state, hp, count, st.dtype)
     # The second moment is written once O is computed: the old one is dead by then.
     new_second = after(state.second_moment, o)
     if whole:
@@ -211,7 +211,7 @@ def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int
     o_all = g_all if g_all.dtype == st.dtype else jnp.zeros(g_all.shape, st.dtype)
     hp_all = matrix_hparams(st, hps, np.arange(lo0, lo0 + n * per)[None],
                             lambda t: np.asarray(t)[0])
-    adaptive = st.config.adaptive
+    adaptive = st.config.leaf_scaled
 
     def body(j, carry):
         g_all, o_all, mom, sec, d_all = carry
@@ -221,7 +221,7 @@ def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int
                   if jnp.ndim(v) > 0 else v) for k, v in hp_all.items()}
         state = MuonStackState(jax.lax.dynamic_slice_in_dim(mom, lo0 + at, per, axis=0),
                                jax.lax.dynamic_slice_in_dim(sec, lo0 + at, per, axis=0))
-        o, state, d = muon_step(scaled(g, scale), state, hp, st.config, count, st.dtype)
+        o, state, d = st.config.step(scaled(g, scale), state, hp, count, st.dtype)
         new_second = after(state.second_moment, o)
         mom = jax.lax.dynamic_update_slice_in_dim(mom, state.momentum, lo0 + at, axis=0)
         sec = jax.lax.dynamic_update_slice_in_dim(sec, new_second, lo0 + at, axis=0)

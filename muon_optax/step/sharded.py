@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.plan.plan import StackPlan, TreePlan
-from muon_optax.rule.hparams import MuonConfig
-from muon_optax.rule.muon import MuonStackState, muon_step
+from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.step.collectives import Collectives, varying_axes
 from muon_optax.step.matrices import chunk_bytes, chunks, finish_leaves, matrix_hparams
@@ -61,10 +60,10 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
-def _owned_slot(g, state: MuonStackState, hp: dict, cfg: MuonConfig, count, dtype):
+def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype):
     """:func:`muon_optax.rule.muon.muon_step` on one slot a device may not own (the branch of
     a ``lax.cond``): ``<U, O>`` zeros without ``adaptive``, as :func:`_skipped` gives."""
-    o, state, d = muon_step(g, state, hp, cfg, count, dtype)
+    o, state, d = cfg.step(g, state, hp, count, dtype)
     return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
 
@@ -87,7 +86,7 @@ def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, 
     polar iteration starts."""
     at = _state_at(k, sp, plan, comm, j0)
     (g, carry), state = moves.load(carry, k, j0, n, prev, scale), _read_state(bufs, at, n, sp)
-    o, state, d = muon_step(g, state, hp, sp.stack.config, count, sp.stack.dtype)
+    o, state, d = sp.stack.config.step(g, state, hp, count, sp.stack.dtype)
     bufs = MuonBuffers(_write(bufs.momentum, at[0], state.momentum),
                        _write(bufs.second_moment, at[1], state.second_moment, o))
     return moves.store(carry, k, j0, o), bufs, o, d
@@ -114,14 +113,14 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
         hp = matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
         o, state, d = jax.lax.cond(
             owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype),
-            lambda g, s: _skipped(g, s, dtype, cfg.adaptive), g, state)
+            lambda g, s: _skipped(g, s, dtype, cfg.leaf_scaled), g, state)
         # Unchanged where not owned.
         bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
         carry = moves.store(carry, k, j, o, owned)
         duals.append(d)
         prev = o
     return carry, bufs, prev, (jnp.concatenate([d.reshape(-1) for d in duals])
-                               if cfg.adaptive else None)
+                               if cfg.leaf_scaled else None)
 
 
 def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) -> dict:

@@ -8,7 +8,7 @@ from typing import Any, TextIO
 import optax
 
 from muon_optax.params.variables import unbox, unboxed_structure
-from muon_optax.rule.hparams import MuonConfig
+from muon_optax.rule.hparams import AdamWConfig
 from muon_optax.state.init import init_of
 
 
@@ -81,7 +81,7 @@ def _table(rows: list[dict[str, Any]], n: int, configs: dict[str, Any]) -> str:
             owners = _ranges(r["owners"]) + (f" [{r['transport']}]" if n > 1 else "")
         else:
             seen, stack, owners = "AdamW", "-", r["split"]
-        kind = "muon" if isinstance(configs[r["group"]], MuonConfig) else "adamw"
+        kind = "adamw" if isinstance(configs[r["group"]], AdamWConfig) else "muon"
         line = [r["path"], "x".join(map(str, r["shape"])) or "()", f"{r['group']} ({kind})",
                 r["why"], seen, stack] + ([owners] if n > 1 else [])
         lines.append(line)

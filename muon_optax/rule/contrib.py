@@ -1,0 +1,123 @@
+"""optax.contrib.muon's and torch.optim.Muon's rule (see :func:`muon_optax.contrib_muon` and
+:func:`muon_optax.torch_muon` for the maths): plain Muon, without MuonEq, Muon+, NorMuon
+or cautious decay, beside nanochat's kernel (:mod:`muon_optax.rule.muon`), whose polar
+iteration and momentum lerps (torch's) it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from muon_optax.rule import hparams, muon
+from muon_optax.rule.adamw import update_in_param_dtype
+from muon_optax.rule.order import after
+from muon_optax.rule.polar import Coeffs, check_preconditioning, ns_coefficients
+
+
+@dataclasses.dataclass(frozen=True)
+class ContribConfig:
+    """A Muon group of optax.contrib.muon's (``adam``) or torch.optim.Muon's rule.
+
+    ``coeffs``: the ``(a, b, c)`` of each iteration; ``adam``: Adam's bias-corrected first
+    moment as optax computes it, ``buf = (1 - mu) G + mu buf`` with the product in the
+    buffer's dtype, ``1 - mu`` from the exact constant (float32's ``1 - f32(mu)`` is off
+    by up to an ulp of ``mu``, which flips roundings of a bfloat16 buffer) and ``U`` from
+    the unrounded buffer; else torch's (nanochat's) lerps. ``adaptive``: ``O <U, O>``,
+    ``<U, O>`` summed over the leaf; ``consistent_rms``: see :meth:`lr_scale`.
+    """
+
+    lr: hparams.Scalar
+    momentum: hparams.Scalar
+    weight_decay: hparams.Scalar
+    coeffs: Coeffs
+    preconditioning: str = "frobenius"
+    eps: float = 1e-8
+    nesterov: bool = True
+    compute_dtype: Any = None
+    mu_dtype: Any = None
+    adam: bool = True
+    adaptive: bool = False
+    consistent_rms: float | None = None
+    # nanochat's options the engine and the polar iteration read, fixed in this rule
+    row_equilibration: ClassVar[bool] = False
+    normuon: ClassVar[bool] = False
+    polar_method: ClassVar[str] = "direct"
+
+    @classmethod
+    def make(cls, lr, momentum, weight_decay, coeffs, *, preconditioning="frobenius",
+             eps=1e-8, nesterov=True, compute_dtype=None, mu_dtype=None, adam=True,
+             adaptive=False, consistent_rms=None, where="contrib_muon") -> ContribConfig:
+        scalars = (hparams.check_scalar(v, n, where) for v, n in (
+            (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
+        flags = {n: hparams.check_flag(v, n, where) for n, v in (
+            ("nesterov", nesterov), ("adam", adam), ("adaptive", adaptive))}
+        return cls(*scalars, ns_coefficients(coeffs, len(coeffs), where),
+                   check_preconditioning(preconditioning, where),
+                   hparams.static_float(eps, "eps", where), **flags,
+                   compute_dtype=hparams.check_compute_dtype(compute_dtype, where),
+                   mu_dtype=hparams.check_mu_dtype(mu_dtype, where),
+                   consistent_rms=None if consistent_rms is None
+                   else hparams.static_float(consistent_rms, "consistent_rms", where))
+
+    ns_steps = property(lambda self: len(self.coeffs))
+    leaf_scaled = property(lambda self: self.adaptive)  # the engine sums <U, O> per leaf
+
+    def at(self, count: jax.Array) -> dict[str, jax.Array]:
+        """The hyperparameters at step ``count`` (steps taken before this one)."""
+        return {k: hparams.value_at(getattr(self, k), count)
+                for k in ("lr", "momentum", "weight_decay")}
+
+    def static_key(self) -> tuple:
+        """What must agree for two matrices to share one batched program."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[3:]) + (
+            self.complement(),)
+
+    def complement(self) -> float | None:
+        """``1 - mu`` from the exact (Python) constant for ``adam``; None otherwise."""
+        return 1.0 - self.momentum if self.adam and isinstance(self.momentum, float) else None
+
+    def lr_scale(self, rows: int, cols: int) -> float:
+        """The lr factor of a ``rows x cols`` (out x in) matrix: nanochat's, or with
+        ``consistent_rms = c``, ``c sqrt(max(R, C))``, an update RMS of about ``c`` for
+        every shape (arXiv:2502.16982; 0.2 matches AdamW's)."""
+        if self.consistent_rms is None:
+            return muon.matrix_lr_scale(rows, cols)
+        return math.sqrt(max(rows, cols)) * self.consistent_rms
+
+    def step(self, g: jax.Array, state: muon.MuonStackState, hp: Mapping[str, Any],
+             count: jax.Array, dtype: Any
+             ) -> tuple[jax.Array, muon.MuonStackState, jax.Array | None]:
+        """:func:`muon_optax.rule.muon.muon_step`'s contract (the second moment kept as
+        is), and with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before."""
+        f32, mu, layout = jnp.float32, hp["momentum"], state.momentum.shape
+        g32 = g.astype(f32)
+        if not self.adam:
+            stored, u = muon.momentum(g32, state.momentum, mu, nesterov=self.nesterov)
+        else:
+            c = self.complement()
+            mu_l = muon.in_layout(mu, g.shape, layout)
+            buf32 = ((1 - mu_l if c is None else c) * muon.in_layout(g32, g.shape, layout)
+                     + (mu_l.astype(state.momentum.dtype) * state.momentum).astype(f32))
+            stored = buf32.astype(state.momentum.dtype)
+            buf = (stored if stored.dtype == f32 else buf32).reshape(g.shape).astype(f32)
+            t = count.astype(f32) + 1
+            u = (mu * buf / (1 - mu ** (t + 1)) + (1 - mu if c is None else c) * g32
+                 / (1 - mu**t) if self.nesterov else buf / (1 - mu**t))
+        o = muon.orthogonalized(u, hp["transposed"], self, dtype)
+        # <U, O> estimates the nuclear norm of U (exact for its polar factor O): O <U, O>
+        # is steepest descent under the spectral norm (arXiv:2409.20325)
+        d = jnp.sum(u * o.astype(f32), axis=(-2, -1), keepdims=True) if self.adaptive else None
+        return o, muon.MuonStackState(after(stored, u), state.second_moment), d
+
+    def leaf_update(self, o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array,
+                    *, rows: int, cols: int) -> jax.Array:
+        """``P_new - P = -lr s O - lr wd P`` (``s``: :meth:`lr_scale`; the decay at the
+        unscaled ``lr``), in the parameter's dtype."""
+        o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
+        lr_o = lr * self.lr_scale(rows, cols)
+        return update_in_param_dtype(p32, -lr_o * o32 - (lr * weight_decay) * p32, p.dtype)
