@@ -54,7 +54,7 @@ from muon_optax.rule.muon import muon_hparams
 from muon_optax.state.wrapped import recorder
 from muon_optax.step import one_device as single
 from muon_optax.step import sharded as stacks
-from muon_optax.step.collectives import Collectives, pad_to, varying_axes
+from muon_optax.step.collectives import Collectives, Cost, pad_to, varying_axes
 from muon_optax.step.guard import GradStats, from_sums, global_stats, scaled, select, sums
 from muon_optax.step.one_device import MuonBuffers
 from muon_optax.step.transport import Transports
@@ -280,6 +280,26 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u
     return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
+
+
+# Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay).
+ADAMW_FLOPS_PER_ELEMENT = 20
+
+
+def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced: bool) -> Cost:
+    """The AdamW phase's :class:`Cost` on one device (``local_shapes``: its blocks): a leaf
+    stepped split has its gradient reduce-scattered (unless ``reduced``) and its update
+    all-gathered; a small one is all-reduced (unless ``reduced``); a leaf split where it
+    lies moves nothing (:func:`_adamw_grads`). ``ADAMW_FLOPS_PER_ELEMENT`` an element."""
+    n, total = plan.num_devices, Cost()
+    for a in plan.adamw:
+        split = not a.local and a.axis is not None
+        local = math.prod(a.padded) // n if split else math.prod(local_shapes[a.index])
+        ring = (n - 1) * (1 if reduced else 2) if split else \
+            0 if a.local or reduced else 2 * (n - 1) / n
+        total += Cost(ring * local * jnp.dtype(dtypes[a.index]).itemsize,
+                      ADAMW_FLOPS_PER_ELEMENT * local)
+    return total
 
 
 # ------------------------------------------------------------------ state layout

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax.plan.plan import TreePlan
 from muon_optax.plan.specs import normalize_spec, to_partition_spec, typed_spec
+from muon_optax.step.collectives import Cost
 from muon_optax.step.engine import (
     Options,
     check_state,
@@ -110,16 +111,16 @@ def wrap_in_shard_map(opts: Options):
     return init, update
 
 
-def entry_sent(plan: TreePlan, given: list, sizes: dict[str, int], nbytes: list[int]) -> float:
-    """Bytes one device sends as XLA moves the leaves into the layouts the engine reads
-    them in (``in_specs``, ``plan.specs``): a leaf given split (``given``) but read whole
-    (a Muon leaf whose layout cuts its blocks) has its gradient and its param
-    all-gathered (ring: ``(g - 1) / g`` of each, ``g`` devices in the group)."""
-    total = 0.0
-    for spec, used, size in zip(given, plan.specs, nbytes):
+def entry_cost(plan: TreePlan, given: list, leaves: list) -> Cost:
+    """What moving the leaves (shapes, ``given`` layouts) into the layouts the engine
+    reads them in (``in_specs``, ``plan.specs``) costs one device: a leaf given split but
+    read whole (a Muon leaf whose layout cuts its blocks) has its gradient and its param
+    all-gathered (``(g - 1) / g`` of each, ``g`` devices in the group)."""
+    sizes, total = dict(plan.axes), Cost()
+    for spec, used, x in zip(given, plan.specs, leaves):
         g = math.prod(sizes[a] for entry in spec for a in entry)
         if g > 1 and not any(used):
-            total += 2 * (g - 1) / g * size
+            total += Cost(2 * (g - 1) / g * (math.prod(x.shape) * x.dtype.itemsize))
     return total
 
 

@@ -22,7 +22,7 @@ from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule.hparams import MuonConfig
 from muon_optax.rule.muon import MuonStackState, muon_step
 from muon_optax.rule.order import after
-from muon_optax.step.collectives import Collectives, varying_axes
+from muon_optax.step.collectives import Collectives, Cost, varying_axes
 from muon_optax.step.one_device import (
     MuonBuffers,
     chunk_bytes,
@@ -150,6 +150,12 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
             first += m.batch
             out[m.index] = jnp.sum(everyone[np.asarray(idx)])
     return out
+
+
+def muon_cost(plan: TreePlan) -> Cost:
+    """What the Muon phase costs one device besides moving the matrices: the kernel on
+    every slot of its program (:meth:`OwnerPlan.program_flops`)."""
+    return Cost(0.0, plan.owner.program_flops())
 
 
 def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, count,
