@@ -207,6 +207,8 @@ def check_state(plan: TreePlan, state: Any, want: Any, name: str,
 
 # ------------------------------------------------------------------ AdamW
 
+ADAMW_FLOPS_PER_ELEMENT = 20   # moments, bias correction, decay (the cost model's)
+
 
 def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[int, tuple]:
     """Each AdamW leaf's mean gradient and param, as this device updates them.
@@ -282,23 +284,17 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
     return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
 
 
-# Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay).
-ADAMW_FLOPS_PER_ELEMENT = 20
-
-
 def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced: bool) -> Cost:
-    """The AdamW phase's :class:`Cost` on one device (``local_shapes``: its blocks): a leaf
-    stepped split has its gradient reduce-scattered (unless ``reduced``) and its update
-    all-gathered; a small one is all-reduced (unless ``reduced``); a leaf split where it
-    lies moves nothing (:func:`_adamw_grads`). ``ADAMW_FLOPS_PER_ELEMENT`` an element."""
+    """A leaf stepped split has its gradient reduce-scattered (unless ``reduced``) and its
+    update all-gathered; a small one is all-reduced (unless ``reduced``); one split where
+    it lies moves nothing. ``ADAMW_FLOPS_PER_ELEMENT`` an element of ``local_shapes``."""
     n, total = plan.num_devices, Cost()
     for a in plan.adamw:
         split = not a.local and a.axis is not None
         local = math.prod(a.padded) // n if split else math.prod(local_shapes[a.index])
         ring = (n - 1) * (1 if reduced else 2) if split else \
             0 if a.local or reduced else 2 * (n - 1) / n
-        total += Cost(ring * local * jnp.dtype(dtypes[a.index]).itemsize,
-                      ADAMW_FLOPS_PER_ELEMENT * local)
+        total += Cost(ring * local * dtypes[a.index].itemsize, ADAMW_FLOPS_PER_ELEMENT * local)
     return total
 
 

@@ -144,8 +144,7 @@ class ExchangeSource:
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
         """An all-to-all of this device's ``(N, length)`` pieces, all but its own row."""
-        return Cost((owner.num_devices - 1) * owner.exchange[dtype].length
-                    * np.dtype(dtype).itemsize)
+        return Cost((owner.num_devices - 1) * owner.exchange[dtype].length * dtype.itemsize)
 
     def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> list[jax.Array]:
         """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
@@ -238,8 +237,7 @@ class ExchangeSink:
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
         """The all-to-all of the holders' blocks back."""
-        return Cost((owner.num_devices - 1) * owner.back[dtype].length
-                    * np.dtype(dtype).itemsize)
+        return Cost((owner.num_devices - 1) * owner.back[dtype].length * dtype.itemsize)
 
     def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
         sp = self.owner.stacks[k]

@@ -64,16 +64,13 @@ def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> Grad
 
 
 def stats_cost(plan: TreePlan, given: list, reduced: bool, on: bool) -> Cost:
-    """What the statistics cost one device when asked for (``on``): one all-reduce of
-    float32 pairs ``[sum of g^2, non-finite count]``. ZeRO-2 (:func:`from_sums` after one
-    ``psum``): one pair, when a share is reduce-scattered. The ``mesh=`` form
-    (:func:`global_stats` on the global arrays): XLA sums each leaf split where it lies
-    (``given``: the layouts) and all-reduces its pair. The ``skipped`` counter is
-    replicated and stepped by :func:`select` on every device alike: it sends nothing."""
-    n, split = plan.num_devices, any(a.axis is not None and not a.local for a in plan.adamw)
-    pairs = sum(1 for spec in given if any(spec)) if reduced else \
-        int(bool(plan.owner.gather) or split)
-    return Cost(2 * (n - 1) / n * 2 * 4 * pairs if on else 0.0)
+    """When ``on``, one all-reduce of float32 pairs ``[sum of g^2, non-finite count]``: one
+    in ZeRO-2 (:func:`from_sums`) if a share is reduce-scattered; in the ``mesh=`` form
+    (:func:`global_stats`) one for each leaf split where it lies (``given``). The
+    ``skipped`` counter, replicated and stepped alike everywhere, sends nothing."""
+    pairs = (sum(1 for spec in given if any(spec)) if reduced else int(bool(plan.owner.gather)
+             or any(a.axis is not None and not a.local for a in plan.adamw)))
+    return Cost(2 * (plan.num_devices - 1) / plan.num_devices * 2 * 4 * pairs if on else 0.0)
 
 
 def global_stats(grads: Any, max_grad_norm: float | None, skip: bool) -> GradStats:

@@ -112,16 +112,14 @@ def wrap_in_shard_map(opts: Options):
 
 
 def entry_cost(plan: TreePlan, given: list, leaves: list) -> Cost:
-    """What moving the leaves (shapes, ``given`` layouts) into the layouts the engine
-    reads them in (``in_specs``, ``plan.specs``) costs one device: a leaf given split but
-    read whole (a Muon leaf whose layout cuts its blocks) has its gradient and its param
-    all-gathered (``(g - 1) / g`` of each, ``g`` devices in the group)."""
-    sizes, total = dict(plan.axes), Cost()
-    for spec, used, x in zip(given, plan.specs, leaves):
-        g = math.prod(sizes[a] for entry in spec for a in entry)
-        if g > 1 and not any(used):
-            total += Cost(2 * (g - 1) / g * (math.prod(x.shape) * x.dtype.itemsize))
-    return total
+    """Moving the leaves from their ``given`` layouts into ``plan.specs``: a leaf given
+    split but read whole (a Muon leaf whose layout cuts its blocks) has its gradient and
+    param all-gathered (``(g - 1) / g`` of each, ``g`` devices in the group)."""
+    sizes = dict(plan.axes)
+    groups = [math.prod(sizes[a] for entry in spec for a in entry) for spec in given]
+    return sum((Cost(2 * (g - 1) / g * (math.prod(x.shape) * x.dtype.itemsize))
+                for g, used, x in zip(groups, plan.specs, leaves) if g > 1 and not any(used)),
+               Cost())
 
 
 def _array_hparams(opts: Options) -> dict[str, Any]:

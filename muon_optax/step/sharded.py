@@ -153,9 +153,8 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
 
 
 def muon_cost(plan: TreePlan) -> Cost:
-    """What the Muon phase costs one device besides moving the matrices: the kernel on
-    every slot of its program (:meth:`OwnerPlan.program_flops`) and, with ``adaptive``,
-    the all-gather of every device's float32 ``<U, O>`` per slot (:func:`_leaf_duals`)."""
+    """The kernel on every slot of a device's program (:meth:`OwnerPlan.program_flops`) and,
+    with ``adaptive``, the all-gather of each device's float32 ``<U, O>`` per slot."""
     slots = sum(sp.num_slots for sp in plan.owner.stacks if sp.stack.config.adaptive)
     return Cost((plan.num_devices - 1) * 4 * slots, plan.owner.program_flops())
 

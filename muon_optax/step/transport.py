@@ -107,10 +107,9 @@ class GatherSource:
 
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
-        """The reduce-scatter of the flat buffer, whose share is the channel's length
-        (none when the gradients arrive reduced); a copy moves, it computes nothing."""
+        """The reduce-scatter of the flat buffer (a share: the channel), unless ``reduced``."""
         n = 0 if reduced else owner.num_devices - 1
-        return Cost(n * owner.gather[dtype].length * np.dtype(dtype).itemsize)
+        return Cost(n * owner.gather[dtype].length * dtype.itemsize)
 
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
         ch = self.channel
@@ -154,8 +153,7 @@ class GatherSink:
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
         """The all-gather of this device's share of directions."""
-        return Cost((owner.num_devices - 1) * owner.gather[dtype].length
-                    * np.dtype(dtype).itemsize)
+        return Cost((owner.num_devices - 1) * owner.gather[dtype].length * dtype.itemsize)
 
     def store(self, k: int, j0: int, o: jax.Array, owned: jax.Array | None) -> None:
         st = self.owner.stacks[k].stack
@@ -277,8 +275,7 @@ class Transports:
 
     @staticmethod
     def cost(owner: OwnerPlan, reduced: bool) -> Cost:
-        """What moving the Muon matrices costs one device per step: the sum of the
-        sources' and sinks' :meth:`__init__` makes (local ones move nothing)."""
+        """The sum of the sources' and sinks' :meth:`__init__` makes (local: nothing)."""
         return sum((cls.cost(owner, dt, reduced)
                     for dts, classes in ((owner.gather, (GatherSource, GatherSink)),
                                          (owner.exchange, (ExchangeSource, ExchangeSink)))

@@ -4,7 +4,8 @@ Like DeepSpeed's memory estimators: "how much memory will the optimizer state ta
 GPU on 256 GPUs?" answered on a laptop. Everything comes from the static plan
 (:mod:`muon_optax.plan.plan`), so the numbers are the compiled program's: the state bytes
 exactly (every device allocates the longest share), the Muon FLOPs from the cost model
-the owners were balanced with, the collective bytes as a ring algorithm sends them.
+the owners were balanced with, the bytes sent (ring algorithms) and the program's FLOPs as
+the sum of what each piece of the step reports (``cost``: sources, sinks, AdamW, guard).
 """
 
 from __future__ import annotations
@@ -49,11 +50,9 @@ def _plan(tx: Any, params: Any, num_devices: int,
         given = ([given] * treedef.num_leaves
                  if isinstance(given, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding))
                  else unboxed_structure(params).flatten_up_to(unbox(given)))
-        specs = []
-        for (path, x), s in zip(flat, given):
-            spec = normalize_spec(s, len(x.shape), path_str(path))
-            check_spec(spec, x.shape, dict(axes), path_str(path))
-            specs.append(spec)
+        specs = [normalize_spec(s, len(x.shape), path_str(p)) for (p, x), s in zip(flat, given)]
+        for (p, x), s in zip(flat, specs):
+            check_spec(s, x.shape, dict(axes), path_str(p))
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
                           axes, specs, opts.threshold, "estimate")
     return plan, opts, specs or [((),) * len(s) for s in plan.specs]
@@ -83,18 +82,14 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
       ``(output_blocks, reduction_blocks)``; a block is one matrix).
     """
     plan, opts, given = _plan(tx, params, num_devices, param_specs)
-    n = num_devices
-    leaves, reduced, sizes = jax.tree.leaves(params), opts.mesh is not None, dict(plan.axes)
-    dtypes = [x.dtype for x in leaves]
-    local_shapes = [tuple(d // math.prod(sizes[a] for a in entry)
-                          for d, entry in zip(x.shape, spec))
+    n, leaves, reduced = num_devices, jax.tree.leaves(params), opts.mesh is not None
+    sizes, dtypes = dict(plan.axes), [x.dtype for x in leaves]
+    local_shapes = [tuple(d // math.prod(sizes[a] for a in e) for d, e in zip(x.shape, spec))
                     for x, spec in zip(leaves, plan.specs)]
     # the state as init makes it on one device (engine.state_shapes, the one truth)
-    state = state_shapes(plan, local_shapes, dtypes, per_device=True,
-                         skipped=opts.skip_nonfinite)
+    state = state_shapes(plan, local_shapes, dtypes, per_device=True, skipped=opts.skip_nonfinite)
     state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                       for s in jax.tree.leaves(state))
-    # the step's pieces, each costed by the code that runs it
     cost = (adamw_cost(plan, local_shapes, dtypes, reduced) + Transports.cost(plan.owner, reduced)
             + muon_cost(plan) + entry_cost(plan, given, leaves)
             + stats_cost(plan, given, reduced, opts.max_grad_norm is not None
