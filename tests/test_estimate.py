@@ -134,3 +134,29 @@ def test_estimate_counts_the_guard_in_zero2():
     est = muon_optax.estimate(tx, params, n)
     compiled = _compiled_zero2_step(tx, params, n, est)
     assert _ring_bytes(compiled.as_text(), n) == pytest.approx(est["collective_bytes"][0])
+
+
+def test_estimate_counts_the_adaptive_duals_gather():
+    """contrib_muon(adaptive=True) sums each leaf's <U, O> over its matrices, whichever
+    devices own them: every device's slot values are all-gathered, in both forms."""
+    n = 8
+    params, _, _ = sp.nanochat_like()
+    params = dict(params["blocks"]["0"]["mlp"])
+    tx = muon_optax.contrib_muon(0.02, axis_name="data", adaptive=True)
+    est = muon_optax.estimate(tx, params, n)
+    compiled = _compiled_zero2_step(tx, params, n, est)
+    assert _ring_bytes(compiled.as_text(), n) == pytest.approx(est["collective_bytes"][0])
+
+    mesh = sp.make_mesh((n,))
+    tx = muon_optax.contrib_muon(0.02, axis_name="data", mesh=mesh, param_specs=P("data"),
+                                 adaptive=True)
+    est = muon_optax.estimate(tx, params, n, param_specs=P("data"))
+    placed = jax.tree.map(lambda x: jax.device_put(jnp.zeros(x.shape, x.dtype),
+                                                   NamedSharding(mesh, P("data"))), params)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    compiled = jax.jit(step).lower(placed, jax.jit(tx.init)(placed), placed).compile()
+    assert _ring_bytes(compiled.as_text(), n) == pytest.approx(est["collective_bytes"][0])

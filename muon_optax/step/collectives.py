@@ -14,7 +14,7 @@ identity: the single-device optimizer is the sharded one on one device.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,17 @@ def varying_axes(x: Any) -> frozenset[str]:
 # On TPU a large AdamW gradient's reduce-scatter (an all-to-all and a sum) goes in pieces
 # of at most this many bytes of the gradient (:meth:`Collectives.mean_scatter`).
 SCATTER_PIECE_BYTES = 64 * 2**20
+
+
+class Cost(NamedTuple):
+    """What a piece of the step costs one device: the bytes it sends (ring: ``(n - 1) / n``
+    of a collective's whole buffer, twice that for an all-reduce) and its FLOPs. Adds up."""
+
+    sent: float = 0.0
+    flops: float = 0.0
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.sent + other.sent, self.flops + other.flops)
 
 
 class Collectives:

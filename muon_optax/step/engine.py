@@ -26,6 +26,7 @@ engine runs its own ``shard_map`` over the params' own layouts (FSDP, tensor par
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,7 +49,7 @@ from muon_optax.rule.adamw import adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
 from muon_optax.step import one_device as single
 from muon_optax.step import sharded as stacks
-from muon_optax.step.collectives import Collectives, pad_to, varying_axes
+from muon_optax.step.collectives import Collectives, Cost, pad_to, varying_axes
 from muon_optax.step.guard import GradStats, from_sums, global_stats, scaled, select, sums
 from muon_optax.step.state import MuonAdamWState, check_state, state_shapes
 from muon_optax.step.transport import Transports
@@ -145,6 +146,8 @@ def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...],
 
 # ------------------------------------------------------------------ AdamW
 
+ADAMW_FLOPS_PER_ELEMENT = 20   # moments, bias correction, decay (the cost model's)
+
 
 def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[int, tuple]:
     """Each AdamW leaf's mean gradient and param, as this device updates them.
@@ -218,6 +221,20 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u
     return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
+
+
+def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced: bool) -> Cost:
+    """A leaf stepped split has its gradient reduce-scattered (unless ``reduced``) and its
+    update all-gathered; a small one is all-reduced (unless ``reduced``); one split where
+    it lies moves nothing. ``ADAMW_FLOPS_PER_ELEMENT`` an element of ``local_shapes``."""
+    n, total = plan.num_devices, Cost()
+    for a in plan.adamw:
+        split = not a.local and a.axis is not None
+        local = math.prod(a.padded) // n if split else math.prod(local_shapes[a.index])
+        ring = (n - 1) * (1 if reduced else 2) if split else \
+            0 if a.local or reduced else 2 * (n - 1) / n
+        total += Cost(ring * local * dtypes[a.index].itemsize, ADAMW_FLOPS_PER_ELEMENT * local)
+    return total
 
 
 # ------------------------------------------------------------------ state layout

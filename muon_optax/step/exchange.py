@@ -22,7 +22,7 @@ import numpy as np
 from muon_optax.plan.plan import OwnerPlan, StackPlan
 from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.order import after
-from muon_optax.step.collectives import Collectives, flat_rows, row_slice
+from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
 from muon_optax.step.rows import (
     device_rows,
     dynamic_slice,
@@ -142,11 +142,9 @@ class ExchangeSource:
         return got
 
     @staticmethod
-    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
-        """Bytes one device sends: an all-to-all of its ``(N, length)`` pieces, all but
-        its own row."""
-        return ((owner.num_devices - 1) * owner.exchange[dtype].length
-                * np.dtype(dtype).itemsize)
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """An all-to-all of this device's ``(N, length)`` pieces, all but its own row."""
+        return Cost((owner.num_devices - 1) * owner.exchange[dtype].length * dtype.itemsize)
 
     def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> list[jax.Array]:
         """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
@@ -245,10 +243,9 @@ class ExchangeSink:
                           {}, {}, None)
 
     @staticmethod
-    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
-        """Bytes one device sends: the all-to-all of the holders' blocks back."""
-        return ((owner.num_devices - 1) * owner.back[dtype].length
-                * np.dtype(dtype).itemsize)
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """The all-to-all of the holders' blocks back."""
+        return Cost((owner.num_devices - 1) * owner.back[dtype].length * dtype.itemsize)
 
     def store(self, acc: Directions, k: int, j0: int, o: jax.Array,
               owned: jax.Array | None) -> Directions:

@@ -32,7 +32,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from muon_optax.plan.plan import TreePlan
 from muon_optax.rule.hparams import concrete_value
+from muon_optax.step.collectives import Cost
 
 
 class GradStats(NamedTuple):
@@ -61,14 +63,14 @@ def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> Grad
     return GradStats(scale, total[1] == 0 if skip else None)
 
 
-def stats_sent(num_devices: int, partial_sums: int) -> float:
-    """Bytes one device sends for the statistics: one all-reduce (ring) of
-    ``partial_sums`` float32 pairs ``[sum of g^2, non-finite count]``. ZeRO-2
-    (:func:`from_sums` after one ``psum``): one pair. The ``mesh=`` form
-    (:func:`global_stats` on the global arrays): XLA sums each leaf split over the
-    devices where it lies and all-reduces its pair."""
-    n = num_devices
-    return 2 * (n - 1) / n * 2 * 4 * partial_sums
+def stats_cost(plan: TreePlan, given: list, reduced: bool, on: bool) -> Cost:
+    """When ``on``, one all-reduce of float32 pairs ``[sum of g^2, non-finite count]``: one
+    in ZeRO-2 (:func:`from_sums`) if a share is reduce-scattered; in the ``mesh=`` form
+    (:func:`global_stats`) one for each leaf split where it lies (``given``). The
+    ``skipped`` counter, replicated and stepped alike everywhere, sends nothing."""
+    pairs = (sum(1 for spec in given if any(spec)) if reduced else int(bool(plan.owner.gather)
+             or any(a.axis is not None and not a.local for a in plan.adamw)))
+    return Cost(2 * (plan.num_devices - 1) / plan.num_devices * 2 * 4 * pairs if on else 0.0)
 
 
 def global_stats(grads: Any, max_grad_norm: float | None, skip: bool) -> GradStats:

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax.plan.plan import TreePlan
 from muon_optax.plan.specs import normalize_spec, to_partition_spec, typed_spec
+from muon_optax.step.collectives import Cost
 from muon_optax.step.engine import Options, check_update_args, local_init, local_update, tree_plan
 from muon_optax.step.guard import GradStats, global_stats
 from muon_optax.step.state import check_state, state_partition_specs, state_shapes
@@ -102,17 +103,15 @@ def wrap_in_shard_map(opts: Options):
     return init, update
 
 
-def entry_sent(plan: TreePlan, given: list, sizes: dict[str, int], nbytes: list[int]) -> float:
-    """Bytes one device sends as XLA moves the leaves into the layouts the engine reads
-    them in (``in_specs``, ``plan.specs``): a leaf given split (``given``) but read whole
-    (a Muon leaf whose layout cuts its blocks) has its gradient and its param
-    all-gathered (ring: ``(g - 1) / g`` of each, ``g`` devices in the group)."""
-    total = 0.0
-    for spec, used, size in zip(given, plan.specs, nbytes):
-        g = math.prod(sizes[a] for entry in spec for a in entry)
-        if g > 1 and not any(used):
-            total += 2 * (g - 1) / g * size
-    return total
+def entry_cost(plan: TreePlan, given: list, leaves: list) -> Cost:
+    """Moving the leaves from their ``given`` layouts into ``plan.specs``: a leaf given
+    split but read whole (a Muon leaf whose layout cuts its blocks) has its gradient and
+    param all-gathered (``(g - 1) / g`` of each, ``g`` devices in the group)."""
+    sizes = dict(plan.axes)
+    groups = [math.prod(sizes[a] for entry in spec for a in entry) for spec in given]
+    return sum((Cost(2 * (g - 1) / g * (math.prod(x.shape) * x.dtype.itemsize))
+                for g, used, x in zip(groups, plan.specs, leaves) if g > 1 and not any(used)),
+               Cost())
 
 
 def _array_hparams(opts: Options) -> dict[str, Any]:

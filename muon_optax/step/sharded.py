@@ -21,7 +21,7 @@ import numpy as np
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
-from muon_optax.step.collectives import Collectives, varying_axes
+from muon_optax.step.collectives import Collectives, Cost, varying_axes
 from muon_optax.step.matrices import chunk_bytes, chunks, finish_leaves, matrix_hparams
 from muon_optax.step.state import MuonBuffers
 from muon_optax.step.transport import Transports
@@ -143,6 +143,13 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
             first += m.batch
             out[m.index] = jnp.sum(everyone[np.asarray(idx)])
     return out
+
+
+def muon_cost(plan: TreePlan) -> Cost:
+    """The kernel on every slot of a device's program (:meth:`OwnerPlan.program_flops`) and,
+    with ``adaptive``, the all-gather of each device's float32 ``<U, O>`` per slot."""
+    slots = sum(sp.num_slots for sp in plan.owner.stacks if sp.stack.config.leaf_scaled)
+    return Cost((plan.num_devices - 1) * 4 * slots, plan.owner.program_flops())
 
 
 def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, count,

@@ -29,7 +29,7 @@ import numpy as np
 from muon_optax.plan.plan import OwnerPlan
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL
 from muon_optax.rule.order import after
-from muon_optax.step.collectives import Collectives
+from muon_optax.step.collectives import Collectives, Cost
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource
 from muon_optax.step.guard import scaled
 from muon_optax.step.rows import (
@@ -85,11 +85,10 @@ class GatherSource:
         self.buffer = None if comm.grads_reduced else self._reduce_scatter(dtype)
 
     @staticmethod
-    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
-        """Bytes one device sends (ring): the reduce-scatter of the flat buffer, whose
-        share is the channel's length; none when the gradients arrive reduced."""
-        n = owner.num_devices
-        return 0.0 if reduced else (n - 1) * owner.gather[dtype].length * np.dtype(dtype).itemsize
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """The reduce-scatter of the flat buffer (a share: the channel), unless ``reduced``."""
+        n = 0 if reduced else owner.num_devices - 1
+        return Cost(n * owner.gather[dtype].length * dtype.itemsize)
 
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
         ch = self.channel
@@ -129,10 +128,9 @@ class GatherSink:
         self.channel, self.dtype = owner.gather[dtype], dtype
 
     @staticmethod
-    def sent(owner: OwnerPlan, dtype: Any, reduced: bool) -> float:
-        """Bytes one device sends (ring): the all-gather of its share of directions."""
-        return ((owner.num_devices - 1) * owner.gather[dtype].length
-                * np.dtype(dtype).itemsize)
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """The all-gather of this device's share of directions."""
+        return Cost((owner.num_devices - 1) * owner.gather[dtype].length * dtype.itemsize)
 
     def empty(self) -> jax.Array:
         return jnp.zeros(self.channel.length, self.dtype)   # this device's share
@@ -255,16 +253,12 @@ class Transports:
         self.sinks[LOCAL] = LocalSink(owner)
 
     @staticmethod
-    def sent(owner: OwnerPlan, reduced: bool) -> float:
-        """Bytes one device sends per step for the Muon matrices (ring algorithms), from
-        the sources and sinks :meth:`__init__` makes (local ones send nothing)."""
-        total = 0.0
-        for dt in owner.gather:
-            total += GatherSource.sent(owner, dt, reduced) + GatherSink.sent(owner, dt, reduced)
-        for dt in owner.exchange:
-            total += (ExchangeSource.sent(owner, dt, reduced)
-                      + ExchangeSink.sent(owner, dt, reduced))
-        return total
+    def cost(owner: OwnerPlan, reduced: bool) -> Cost:
+        """The sum of the sources' and sinks' :meth:`__init__` makes (local: nothing)."""
+        return sum((cls.cost(owner, dt, reduced)
+                    for dts, classes in ((owner.gather, (GatherSource, GatherSink)),
+                                         (owner.exchange, (ExchangeSource, ExchangeSink)))
+                    for dt in dts for cls in classes), Cost())
 
     def _key(self, k: int):
         sp = self.owner.stacks[k]

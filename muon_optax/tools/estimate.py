@@ -4,7 +4,8 @@ Like DeepSpeed's memory estimators: "how much memory will the optimizer state ta
 GPU on 256 GPUs?" answered on a laptop. Everything comes from the static plan
 (:mod:`muon_optax.plan.plan`), so the numbers are the compiled program's: the state bytes
 exactly (every device allocates the longest share), the Muon FLOPs from the cost model
-the owners were balanced with, the collective bytes as a ring algorithm sends them.
+the owners were balanced with, the bytes sent (ring algorithms) and the program's FLOPs as
+the sum of what each piece of the step reports (``cost``: sources, sinks, AdamW, guard).
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ from muon_optax.params.variables import unbox, unboxed_structure
 from muon_optax.plan.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
 from muon_optax.plan.specs import check_spec, normalize_spec
 from muon_optax.state.init import init_of
-from muon_optax.step.guard import stats_sent
-from muon_optax.step.jit_mode import entry_sent
+from muon_optax.step.engine import adamw_cost
+from muon_optax.step.guard import stats_cost
+from muon_optax.step.jit_mode import entry_cost
+from muon_optax.step.sharded import muon_cost
 from muon_optax.step.state import state_shapes
 from muon_optax.step.transport import Transports
-
-# Elementwise FLOPs per element of an AdamW parameter (moments, bias correction, decay),
-# for the program's total in the cost model.
-ADAMW_FLOPS_PER_ELEMENT = 20
 
 
 def _plan(tx: Any, params: Any, num_devices: int,
@@ -53,11 +52,9 @@ def _plan(tx: Any, params: Any, num_devices: int,
         given = ([given] * treedef.num_leaves
                  if isinstance(given, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding))
                  else unboxed_structure(params).flatten_up_to(unbox(given)))
-        specs = []
-        for (path, x), s in zip(flat, given):
-            spec = normalize_spec(s, len(x.shape), path_str(path))
-            check_spec(spec, x.shape, dict(axes), path_str(path))
-            specs.append(spec)
+        specs = [normalize_spec(s, len(x.shape), path_str(p)) for (p, x), s in zip(flat, given)]
+        for (p, x), s in zip(flat, specs):
+            check_spec(s, x.shape, dict(axes), path_str(p))
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
                           axes, specs, opts.threshold, "estimate")
     return plan, opts, specs or [((),) * len(s) for s in plan.specs]
@@ -87,49 +84,27 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
       ``(output_blocks, reduction_blocks)``; a block is one matrix).
     """
     plan, opts, given = _plan(tx, params, num_devices, param_specs)
-    n = num_devices
-    leaves = jax.tree.leaves(params)
-    reduced = opts.mesh is not None
-    sizes = dict(plan.axes)
-    local_shapes = [tuple(d // math.prod(sizes[a] for a in entry)
-                          for d, entry in zip(x.shape, spec))
+    n, leaves, reduced = num_devices, jax.tree.leaves(params), opts.mesh is not None
+    sizes, dtypes = dict(plan.axes), [x.dtype for x in leaves]
+    local_shapes = [tuple(d // math.prod(sizes[a] for a in e) for d, e in zip(x.shape, spec))
                     for x, spec in zip(leaves, plan.specs)]
     # the state as init makes it on one device (step.state.state_shapes, the one truth)
-    state = state_shapes(plan, local_shapes, [x.dtype for x in leaves], per_device=True,
-                         skipped=opts.skip_nonfinite)
+    state = state_shapes(plan, local_shapes, dtypes, per_device=True, skipped=opts.skip_nonfinite)
     state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                       for s in jax.tree.leaves(state))
-    adamw_elements, sent = 0, 0.0
-    for a in plan.adamw:
-        itemsize = np.dtype(leaves[a.index].dtype).itemsize
-        local = math.prod(local_shapes[a.index]) if a.local or a.axis is None else \
-            math.prod(a.padded) // n
-        if not a.local and a.axis is not None:
-            sent += (n - 1) * local * itemsize * (1 if reduced else 2)   # (RS +) AG
-        elif not a.local:
-            sent += 0 if reduced else 2 * (n - 1) / n * local * itemsize   # all-reduce
-        adamw_elements += local
-    sent += Transports.sent(plan.owner, reduced)
-    sent += entry_sent(plan, given, sizes, [math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                                            for x in leaves])
-    if opts.max_grad_norm is not None or opts.skip_nonfinite:
-        if reduced:   # each leaf split where it lies sums its part
-            partial = sum(1 for spec in given if any(spec))
-        else:         # one psum over the reduce-scattered shares
-            partial = int(bool(plan.owner.gather) or any(a.axis is not None and not a.local
-                                                         for a in plan.adamw))
-        sent += stats_sent(n, partial)
-    program = plan.owner.program_flops() + ADAMW_FLOPS_PER_ELEMENT * adamw_elements
+    cost = (adamw_cost(plan, local_shapes, dtypes, reduced) + Transports.cost(plan.owner, reduced)
+            + muon_cost(plan) + entry_cost(plan, given, leaves)
+            + stats_cost(plan, given, reduced, opts.max_grad_norm is not None
+                         or opts.skip_nonfinite))
     return {
         "state_bytes": [state_bytes] * n,
         "muon_flops": plan.owner.device_flops(matrix_flops),
-        "collective_bytes": [sent] * n,
-        "program_flops": program,
+        "collective_bytes": [cost.sent] * n,
+        "program_flops": cost.flops,
         "stacks": [dict(shape=(sp.stack.rows, sp.stack.cols), matrices=sp.stack.size,
                         transport=sp.transport, slots=sp.num_slots,
                         flops_per_matrix=executed_flops(sp.stack),
-                        members=[dict(path=m.path, matrices=m.batch,
-                                      blocks=m.blocks)
+                        members=[dict(path=m.path, matrices=m.batch, blocks=m.blocks)
                                  for m in sp.stack.members])
                    for sp in plan.owner.stacks],
     }
