@@ -39,13 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muon_optax.rule.polar import (  # noqa: E402
-    POLAR_EXPRESS_COEFFS,
-    QUINTIC_COEFFS,
-    polar_flops,
-    polar_iteration,
-    precondition,
-)
+from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, QUINTIC_COEFFS  # noqa: E402
+from muon_optax.rule.polar import polar_flops, polar_iteration, precondition  # noqa: E402
 
 
 def inputs(rows: int, cols: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -13,8 +13,9 @@ from muon_optax.api.torch_muon import torch_muon
 from muon_optax.params.dimension_numbers import MuonDimensionNumbers
 from muon_optax.params.labels import label_by_path, path_str
 from muon_optax.params.variables import load_nnx_optimizer_state
+from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS
 from muon_optax.rule.hparams import current_hyperparams
-from muon_optax.rule.polar import POLAR_EXPRESS_COEFFS, orthogonalize
+from muon_optax.rule.polar import orthogonalize
 from muon_optax.state.portable import export_state, import_state
 from muon_optax.state.wrapped import state_specs
 from muon_optax.step.state import MuonAdamWState, MuonBuffers

@@ -1,10 +1,11 @@
 """The TPU's form of the one-device Muon phase: a stack's equal chunks run as one kernel
-in a loop (``one_device._run_in_loop``), forced onto XLA:CPU with ``one_device.FORCE_LOOP``.
+in a loop (``one_device._run_in_loop``), forced onto XLA:CPU through ``platform.FORCED``.
 
 It must give the chunk-by-chunk form's numbers bit for bit, and the program must hold a
 number of kernels that does not grow with the number of layers.
 """
 
+import contextlib
 import re
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import muon_optax
+from muon_optax.rule import platform
 from muon_optax.step import one_device
 
 
@@ -41,10 +43,21 @@ def _tx(params, mixed=False):
     return muon_optax.muon_adamw(groups, {k: label(k) for k in params})
 
 
-def _run(params, tx, loop, steps=3, grad_dtype=None):
-    old = one_device.FORCE_LOOP
-    one_device.FORCE_LOOP = loop
+@contextlib.contextmanager
+def _looped(loop):
+    """The TPU's form of the one-device step (chunks in loops) on XLA:CPU, if ``loop``."""
+    old = dict(platform.FORCED)
+    if loop:
+        platform.FORCED["loop"] = "tpu"
     try:
+        yield
+    finally:
+        platform.FORCED.clear()
+        platform.FORCED.update(old)
+
+
+def _run(params, tx, loop, steps=3, grad_dtype=None):
+    with _looped(loop):
         step = jax.jit(tx.update)
         state, out = tx.init(params), []
         for t in range(steps):
@@ -55,8 +68,6 @@ def _run(params, tx, loop, steps=3, grad_dtype=None):
             params = jax.tree.map(lambda p, u: p + u, params, updates)
             out.append(updates)
         return params, state, out
-    finally:
-        one_device.FORCE_LOOP = old
 
 
 @pytest.mark.parametrize("case", ["plain", "mixed_groups", "adaptive", "ragged"])
@@ -85,12 +96,8 @@ def test_loop_with_gradients_in_another_dtype():
 def _kernels(layers, loop):
     params = _params(layers)
     tx = _tx(params)
-    old = one_device.FORCE_LOOP
-    one_device.FORCE_LOOP = loop
-    try:
+    with _looped(loop):
         text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
-    finally:
-        one_device.FORCE_LOOP = old
     return len(re.findall(r"stablehlo\.dot_general", text)), text.count("stablehlo.while")
 
 

@@ -131,7 +131,8 @@ def _fsdp_step(monkeypatch, width):
     None for the form XLA:CPU lowers."""
 
     import muon_optax
-    from muon_optax.step import exchange, transport
+    from muon_optax.rule import platform
+    from muon_optax.step import exchange
 
     try:
         from . import sharded_problem as sp
@@ -139,9 +140,8 @@ def _fsdp_step(monkeypatch, width):
         import sharded_problem as sp
 
     if width is not None:   # every transport in its TPU form (FSDP's gather stacks too)
-        for module in (exchange, transport):
-            monkeypatch.setattr(module, "platform_dependent",
-                                lambda *args, tpu, default: tpu(*args))
+        for site in ("exchange", "gather"):
+            monkeypatch.setitem(platform.FORCED, site, "tpu")
         monkeypatch.setattr(exchange, "exchange_piece", lambda owner: width)
     n = 4
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,),

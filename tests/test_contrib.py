@@ -9,7 +9,7 @@ from optax.contrib import MuonDimensionNumbers as MDN
 
 import muon_optax
 from muon_optax.api.contrib import contrib_coefficients
-from muon_optax.rule.polar import DION_COEFFS, POLAR_EXPRESS_COEFFS, QUINTIC_COEFFS
+from muon_optax.rule.coefficients import DION_COEFFS, POLAR_EXPRESS_COEFFS, QUINTIC_COEFFS
 
 SHAPES = {"blocks": {"fc": (16, 48), "proj": (48, 16), "attn": {"q": (32, 32), "k": (32, 32)},
                      "scale": (16,)},

@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import muon_optax
-from muon_optax.step import engine
+from muon_optax.rule import platform
 
 try:
     from . import sharded_problem as sp
@@ -28,8 +28,7 @@ def _steps(monkeypatch, tpu: bool):
     """Two steps of params replicated over 4 devices (``embed`` and ``head`` split AdamW
     leaves), the step lowered (text) and the plan."""
     if tpu:
-        monkeypatch.setattr(engine, "platform_dependent",
-                            lambda *args, tpu, default: tpu(*args))
+        monkeypatch.setitem(platform.FORCED, "late_adamw", "tpu")
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:N])
     tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, dimension_numbers=sp.DIMS,

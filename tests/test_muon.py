@@ -18,7 +18,7 @@ import pytest
 
 import muon_optax
 from muon_optax import MuonDimensionNumbers
-from muon_optax.rule import polar
+from muon_optax.rule import platform
 from muon_optax.rule.contrib import ContribConfig
 from muon_optax.rule.hparams import MuonConfig
 
@@ -102,7 +102,7 @@ def _torch_step(torch, peer_cls, P, G, buf, s):
 def test_bf16_compute_step_against_float64_rule_and_torch_peer(shape, monkeypatch):
     # The accelerators' default program on CPU: bf16 polar iteration, one batched
     # (K, R, C) program instead of CPU's per-matrix one.
-    monkeypatch.setattr(polar, "FORCE_FORM", "accelerator")
+    monkeypatch.setitem(platform.FORCED, "polar", "tpu")
     torch, peer_cls = _torch_peer()
     rng = np.random.default_rng(sum(shape))
     R, C = shape
@@ -145,7 +145,7 @@ def test_bf16_step_has_no_bf16_scalars(param_dtype, monkeypatch):
     # rounded to bf16 anywhere in the step (the polar coefficients were).
     import re
 
-    monkeypatch.setattr(polar, "FORCE_FORM", "accelerator")
+    monkeypatch.setitem(platform.FORCED, "polar", "tpu")
     params = {"w": jnp.ones((3, 16, 48), param_dtype), "v": jnp.ones((48, 16), param_dtype),
               "b": jnp.ones(16, param_dtype)}
     groups = {"m": dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,

@@ -10,7 +10,7 @@ from optax.contrib import MuonDimensionNumbers as MDN
 from test_contrib import CASES, TOL, random_tree
 
 import muon_optax
-from muon_optax.rule.polar import DION_COEFFS
+from muon_optax.rule.coefficients import DION_COEFFS
 
 STATIC = ("ns_steps", "eps")   # contrib_muon's static arguments, for inject_hyperparams
 

@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 
 from muon_optax import orthogonalize
+from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, QUINTIC_COEFFS, ns_coefficients
 from muon_optax.rule.order import after
 from muon_optax.rule.polar import (
-    POLAR_EXPRESS_COEFFS,
-    QUINTIC_COEFFS,
     choose_method,
-    ns_coefficients,
     polar_express,
     polar_express_stack,
     polar_flops,
@@ -133,7 +131,7 @@ def test_orthogonalize_scales_in_float32_then_rounds_once():
 def test_preconditionings_match_optax(shape, coeffs, preconditioning):
     from optax.contrib._muon import orthogonalize_via_newton_schulz
 
-    from muon_optax.rule.polar import DION_COEFFS
+    from muon_optax.rule.coefficients import DION_COEFFS
 
     table = {"quintic": QUINTIC_COEFFS[0], "dion": DION_COEFFS}[coeffs]
     x = jnp.asarray(np.random.default_rng(1).standard_normal(shape), jnp.float32)

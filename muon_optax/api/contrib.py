@@ -39,16 +39,16 @@ from muon_optax.params.dimension_numbers import (
 )
 from muon_optax.params.labels import path_str
 from muon_optax.plan.specs import check_owner_args
-from muon_optax.rule.contrib import ContribConfig
-from muon_optax.rule.hparams import AdamWConfig, Scalar
-from muon_optax.rule.polar import (
+from muon_optax.rule.coefficients import (
     DION_COEFFS,
     POLAR_EXPRESS_COEFFS,
     QUINTIC_COEFFS,
     Coeffs,
-    check_preconditioning,
     coefficient_rows,
 )
+from muon_optax.rule.contrib import ContribConfig
+from muon_optax.rule.hparams import AdamWConfig, Scalar
+from muon_optax.rule.polar import check_preconditioning
 from muon_optax.state.optax_state import ADAM, MUON, MUON_NO_DECAY
 
 # optax's names ("standard", "dion"), and muon_optax's for the same or more.

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 
 from muon_optax.rule import hparams, muon
 from muon_optax.rule.adamw import update_in_param_dtype
+from muon_optax.rule.coefficients import Coeffs, ns_coefficients
 from muon_optax.rule.order import after
-from muon_optax.rule.polar import Coeffs, check_preconditioning, ns_coefficients
+from muon_optax.rule.polar import check_preconditioning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,12 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.rule import muon
-from muon_optax.rule.polar import (
-    POLAR_EXPRESS_COEFFS,
-    Coeffs,
-    check_preconditioning,
-    ns_coefficients,
-)
+from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, Coeffs, ns_coefficients
+from muon_optax.rule.polar import check_preconditioning
 
 Scalar = float | Callable[[jax.Array], Any]
 """A hyperparameter: a number, or an optax schedule ``count -> number``."""

@@ -32,12 +32,8 @@ import jax.numpy as jnp
 
 from muon_optax.rule.adamw import update_in_param_dtype
 from muon_optax.rule.order import after
-from muon_optax.rule.polar import (
-    overflow_scale,
-    per_platform,
-    polar_express_stack,
-    precondition,
-)
+from muon_optax.rule.platform import per_platform
+from muon_optax.rule.polar import overflow_scale, polar_express_stack, precondition
 
 if TYPE_CHECKING:  # the config imports the kernel, not the other way
     from muon_optax.rule.hparams import MuonConfig
@@ -156,8 +152,8 @@ def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
     if cfg.compute_dtype is not None:
         return _orthogonalized(u, transposed, cfg, cfg.compute_dtype).astype(dtype)
     return per_platform(
-        u, lambda u: _orthogonalized(u, transposed, cfg, jnp.float32).astype(dtype),
-        lambda u: _orthogonalized(u, transposed, cfg, jnp.bfloat16).astype(dtype))
+        "polar", u, cpu=lambda u: _orthogonalized(u, transposed, cfg, jnp.float32).astype(dtype),
+        default=lambda u: _orthogonalized(u, transposed, cfg, jnp.bfloat16).astype(dtype))
 
 
 def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.rule.order import after
+from muon_optax.rule.platform import per_platform
 
 
 def _gather(x: jax.Array, axes: tuple[str, ...], axis: int) -> jax.Array:
@@ -105,9 +106,9 @@ class Collectives:
             return x
         if self.grads_reduced:
             return self.local(x, axis)
-        y = jax.lax.platform_dependent(
-            x, tpu=lambda x: self._sum_scatter_by_exchange_pieces(x, axis, SCATTER_PIECE_BYTES),
-            default=self._sum_scatter(axis))
+        y = per_platform(
+            "scatter", x, default=self._sum_scatter(axis),
+            tpu=lambda x: self._sum_scatter_by_exchange_pieces(x, axis, SCATTER_PIECE_BYTES))
         return (y / self.size).astype(x.dtype)
 
     def _sum_scatter(self, axis: int):
@@ -135,7 +136,7 @@ class Collectives:
         def by_pieces(*flat):
             return self._sum_exchange_pieces(unflatten(flat), length, piece, dtype)
 
-        y = jax.lax.platform_dependent(*flat, tpu=by_pieces, default=whole)
+        y = per_platform("scatter", *flat, tpu=by_pieces, default=whole)
         return (y / self.size).astype(dtype)
 
     def _sum_exchange_pieces(self, rows: list[list[jax.Array]], length: int, piece: int,

@@ -47,15 +47,12 @@ from muon_optax.plan.specs import (
 from muon_optax.plan.warn import warn_if_split
 from muon_optax.rule.adamw import adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
-from muon_optax.step import one_device as single
-from muon_optax.step import sharded as stacks
+from muon_optax.rule.platform import per_platform
+from muon_optax.step import one_device, sharded
 from muon_optax.step.collectives import Collectives, Cost, pad_to, varying_axes
 from muon_optax.step.guard import GradStats, from_sums, global_stats, scaled, select, sums
 from muon_optax.step.state import MuonAdamWState, check_state, state_shapes
 from muon_optax.step.transport import Transports
-
-# Lowering-time choice of a TPU-only form; tests force that form on CPU through this name.
-platform_dependent = jax.lax.platform_dependent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +190,8 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
     # output nobody reads may be pruned, and with it the ordering (the last directions
     # sent back after the gathers).
     tied = ([updates[m.index] for m in plan.muon], muon)
-    ins, (muon_updates, muon) = platform_dependent(
-        ins, tied, default=lambda ins, tied: (ins, tied),
+    ins, (muon_updates, muon) = per_platform(
+        "late_adamw", ins, tied, default=lambda ins, tied: (ins, tied),
         tpu=lambda ins, tied: jax.lax.optimization_barrier((ins, tied)))
     for m, u in zip(plan.muon, muon_updates):
         updates[m.index] = u
@@ -353,8 +350,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     early = dataclasses.replace(plan, adamw=tuple(a for a in plan.adamw if a not in late))
     adamw_grads = _adamw_grads(early, comm, g_leaves, p_leaves)
     g_view, p_view = _block_views(plan, g_leaves), _block_views(plan, p_leaves)
-    sharded = comm.active and not plan.per_stack_state
-    moves = Transports(plan.owner, g_view, comm) if sharded else None
+    owners = comm.active and not plan.per_stack_state
+    moves = Transports(plan.owner, g_view, comm) if owners else None
     if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
         stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if moves
                  else global_stats(g_leaves, opts.max_grad_norm, opts.skip_nonfinite))
@@ -363,11 +360,11 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     updates = [None] * len(g_leaves)
     mu, nu = _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, state, updates)
     if moves is None:   # one device: stack -> kernel -> unstack
-        muon = single.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
-                                 state.muon, stats.scale, updates)
+        muon = one_device.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
+                                     state.muon, stats.scale, updates)
     else:               # owners: the same kernel, the matrices moved to and from them
-        muon = stacks.muon_phase(plan, opts.configs, comm, hps, count, moves, stats.scale,
-                                 g_view, p_view, state, updates)
+        muon = sharded.muon_phase(plan, opts.configs, comm, hps, count, moves, stats.scale,
+                                  g_view, p_view, state, updates)
     if late:
         mu, nu, muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
                                          (g_leaves, p_leaves), (mu, nu), stats.scale,

@@ -7,7 +7,7 @@ piece sent just before the load that first reads it and each back piece as soon 
 stacks that write it are stored, so that neither direction holds every piece at once.
 Elsewhere each is one all-to-all. The same bytes travel; the results are the same, bit
 for bit (tests/test_collectives.py forces the TPU form on CPU through
-:data:`platform_dependent`).
+:data:`muon_optax.rule.platform.FORCED`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 from muon_optax.plan.plan import OwnerPlan, StackPlan
 from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.order import after
+from muon_optax.rule.platform import per_platform
 from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
 from muon_optax.step.rows import (
     device_rows,
@@ -33,10 +34,6 @@ from muon_optax.step.rows import (
     span,
     take_static,
 )
-
-# The TPU form where it differs (column pieces), chosen at lowering; a module name so
-# that tests can run that form on XLA:CPU.
-platform_dependent = jax.lax.platform_dependent
 
 
 def exchange_piece(owner: OwnerPlan) -> int:
@@ -125,7 +122,7 @@ class ExchangeSource:
         if comm.size == 1:
             self.received = whole(*flat)
         else:
-            self.received = platform_dependent(*flat, tpu=none_yet, default=whole)
+            self.received = per_platform("exchange", *flat, tpu=none_yet, default=whole)
 
     def _exchange(self, first: int, last: int, flat, got: dict, prev) -> dict:
         """Pieces ``first .. last-1`` not yet in ``got``, each exchanged (TPU): packed
@@ -198,7 +195,7 @@ class ExchangeSource:
                 return (whole(self.received), *[self.received[p] for p in new])
 
             wait = prev if prev is not None else jnp.zeros((), self.dtype)
-            out = platform_dependent(*self.flat, *[got[p] for p in have], wait,
+            out = per_platform("exchange", *self.flat, *[got[p] for p in have], wait,
                                      tpu=tpu, default=default)
             raw, got = out[0], {**got, **dict(zip(new, out[1:]))}
         raw = raw.reshape(self.comm.size, n, piece)
@@ -294,7 +291,7 @@ class ExchangeSink:
             return (whole(), acc.buffer[:1, :1], *[parts[p] for p in touched],
                     *[parts[p] for p in done])
 
-        out = platform_dependent(tpu=tpu, default=default)
+        out = per_platform("exchange", tpu=tpu, default=default)
         written = {**acc.parts, **dict(zip(touched, out[2:2 + len(touched)]))}
         return Directions(out[0], {p: x for p, x in written.items() if p not in done},
                           {**acc.got, **dict(zip(done, out[2 + len(touched):]))}, out[1])
@@ -333,7 +330,8 @@ class ExchangeSink:
                    for p in range(len(self.bounds))]
             return self._from_pieces(got, local_shapes)
 
-        return platform_dependent(tpu=tpu, default=lambda: self._whole(acc.buffer, local_shapes))
+        return per_platform("exchange", tpu=tpu,
+                            default=lambda: self._whole(acc.buffer, local_shapes))
 
     def _whole(self, buffer: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         received, out = self.comm.exchange(buffer), {}

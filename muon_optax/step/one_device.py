@@ -30,6 +30,7 @@ from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule import polar
 from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
+from muon_optax.rule.platform import per_platform
 from muon_optax.step.guard import scaled
 from muon_optax.step.matrices import chunk_bytes, chunks, finish_leaves, matrix_hparams
 from muon_optax.step.state import MuonBuffers
@@ -94,13 +95,8 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
 
     chunked, whole = form(chunk_bytes(plan), False), form(WHOLE, True)
     looped = form(chunk_bytes(plan), False, LOOP_CHUNKS * chunk_bytes(plan))
-    if FORCE_LOOP:
-        bufs, muon_updates = looped()
-    elif polar.FORCE_FORM is not None:
-        bufs, muon_updates = chunked()
-    else:
-        bufs, muon_updates = jax.lax.platform_dependent(cuda=whole, rocm=whole, tpu=looped,
-                                                        default=chunked)
+    bufs, muon_updates = per_platform("loop", cuda=whole, rocm=whole, tpu=looped,
+                                      default=chunked)
     for m, u in zip(plan.muon, muon_updates):
         updates[m.index] = u
     return bufs
@@ -115,9 +111,6 @@ WHOLE = 1 << 62
 # (optax.contrib.muon 53 MiB); compile time falls with fewer loops, within the noise of
 # a shared machine past 4.
 LOOP_CHUNKS = 4
-
-# Tests: run the TPU's form (chunks in loops) wherever the step is compiled.
-FORCE_LOOP = False
 
 
 def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves,

@@ -29,6 +29,7 @@ import numpy as np
 from muon_optax.plan.plan import OwnerPlan
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL
 from muon_optax.rule.order import after
+from muon_optax.rule.platform import per_platform
 from muon_optax.step.collectives import Collectives, Cost
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource
 from muon_optax.step.guard import scaled
@@ -41,12 +42,6 @@ from muon_optax.step.rows import (
     owned_parts,
     span,
 )
-
-# The TPU form where it differs (column pieces), chosen at lowering; a module name so
-# that tests can run that form on XLA:CPU.
-platform_dependent = jax.lax.platform_dependent
-
-
 
 # ------------------------------------------------------------------ gather transport
 
@@ -148,9 +143,8 @@ class GatherSink:
         del local_shapes   # every device gets the whole leaves
         if not self.comm.active:
             return self._whole(acc)
-        return platform_dependent(
-            acc, tpu=lambda b: self._by_pieces(b, scatter_piece(self.owner)),
-            default=self._whole)
+        return per_platform("gather", acc, default=self._whole,
+                            tpu=lambda b: self._by_pieces(b, scatter_piece(self.owner)))
 
     def _whole(self, buffer: jax.Array) -> dict[int, jax.Array]:
         everything = self.comm.gather(buffer, 0).reshape(self.comm.size, -1)
