@@ -1,6 +1,6 @@
-"""``tx.init``: the function, and the options behind it that ``state_specs``,
-``describe``, ``estimate`` and the portable state read; inside an optax wrapper it
-answers the wrapper's search for muon_optax's state (:mod:`muon_optax.state.wrapped`).
+"""``tx.init``, carrying the options that ``state_specs``, ``describe``, ``estimate`` and
+the portable state read; inside an optax wrapper it answers the wrapper's search for
+muon_optax's state (:mod:`muon_optax.state.wrapped`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from muon_optax.step.state import MuonAdamWState, state_partition_specs, state_s
 
 
 class Init:
-    """``tx.init``, carrying what :func:`muon_optax.state_specs`, ``describe``,
-    ``estimate`` and the portable state need to know about the transformation."""
+    """``tx.init`` with the transformation's options."""
 
     def __init__(self, fn: Callable, opts: Options):
         self._fn, self.options, self.configs = fn, opts, opts.configs
@@ -40,10 +39,8 @@ class Init:
         if axes is None:
             mesh = dict(self.options.mesh.shape) if self.options.mesh is not None else {}
             axes = tuple((a, mesh.get(a, 1)) for a in self.options.axes or ())
-        plan = tree_plan(self.options, params, axes)
-        leaves = plan.treedef.flatten_up_to(params)
-        return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                            per_device=False, skipped=self.options.skip_nonfinite)
+        return global_state_shapes(tree_plan(self.options, params, axes), params,
+                                   self.options.skip_nonfinite)
 
     def plan(self, params: Any, num_devices: int | None = None, state: Any = None) -> TreePlan:
         """The static plan of ``params`` (for ``num_devices`` devices along one owner
@@ -61,6 +58,13 @@ class Init:
                      padded=sp.num_slots * plan.num_devices, counts=sp.counts.tolist(),
                      members=[m.path for m in sp.stack.members])
                 for sp in plan.owner.stacks]
+
+
+def global_state_shapes(plan: TreePlan, params: Any, skipped: bool = False) -> MuonAdamWState:
+    """The shape structs of the global state of ``params`` under ``plan``."""
+    leaves = plan.treedef.flatten_up_to(params)
+    return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
+                        per_device=False, skipped=skipped)
 
 
 def init_of(tx: Any, where: str, hint: str = "") -> Init:

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from muon_optax.params.layout import MatrixLeaf
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.plan.specs import to_partition_spec, typed_spec
-from muon_optax.state.init import Init, init_of
+from muon_optax.state.init import Init, global_state_shapes, init_of
 from muon_optax.state.optax_state import (
     export_optax_state,
     holds_optax_muon_state,
@@ -52,7 +52,6 @@ from muon_optax.step.state import (
     MuonBuffers,
     check_state,
     state_partition_specs,
-    state_shapes,
 )
 
 
@@ -100,20 +99,22 @@ def _explicit_mesh(tx: Any, trees: Any) -> Any:
     return None
 
 
-def _like_adamw(plan: TreePlan, specs: Any) -> Any:
-    flat = [None] * len(plan.paths)
-    leaf_specs = plan.treedef.flatten_up_to(specs)
-    for a in plan.adamw:
-        flat[a.index] = leaf_specs[a.index] if a.local else P()
-    return plan.treedef.unflatten(flat)
+def _portable_specs(plan: TreePlan, skipped: bool) -> dict[str, Any]:
+    """The portable form's layouts: each moment like its param (an AdamW moment split by
+    the owner plan, and NorMuon's statistics, replicated); None where it has no leaf."""
+    def tree(leaves: Any, spec_of: Any) -> Any:
+        flat = [None] * len(plan.paths)
+        for x in leaves:
+            flat[x.index] = spec_of(x)
+        return plan.treedef.unflatten(flat)
 
-
-def _like_muon(plan: TreePlan, specs: Any) -> Any:
-    flat = [None] * len(plan.paths)
-    leaf_specs = None if specs is None else plan.treedef.flatten_up_to(specs)
-    for m in plan.muon:
-        flat[m.index] = P() if leaf_specs is None else leaf_specs[m.index]
-    return plan.treedef.unflatten(flat)
+    like = lambda x: to_partition_spec(plan.specs[x.index])  # noqa: E731
+    adamw = tree(plan.adamw, lambda a: like(a) if a.local else P())
+    out = {"count": P(), "mu": adamw, "nu": adamw, "momentum": tree(plan.muon, like),
+           "second_moment": tree(plan.muon, lambda m: P())}
+    if skipped:
+        out["skipped"] = P()
+    return out
 
 
 def _second_shape(m: MatrixLeaf, sp: StackPlan) -> tuple[int, ...]:
@@ -167,22 +168,18 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     if as_optax:
         return export_optax_state(tx, state, params, num_devices=num_devices)
     tx, state, params = _inside(tx, state, params)
-    if num_devices is None and getattr(tx.init, "options", None) is not None \
-            and tx.init.options.mesh is None and tx.init.options.axes is not None:
+    opts = tx.init.options
+    if num_devices is None and opts.mesh is None and opts.axes is not None:
         num_devices = _state_devices(tx, state, params)
     plan = _plan(tx, params, num_devices, "export_state", state)
-    _check(plan, state, params, "export_state", _skips(tx))
+    _check(plan, state, params, "export_state", opts.skip_nonfinite)
     mesh = _explicit_mesh(tx, (state, params))
     if mesh is None:
         return _export(plan, state, params)
     # Explicit mesh axes: slicing the sharded buffers needs XLA's freedom (auto axes);
     # the per-parameter arrays come out laid out like their params.
-    specs = plan.treedef.unflatten([to_partition_spec(sp) for sp in plan.specs])
-    out = {"count": P(), "mu": _like_adamw(plan, specs), "nu": _like_adamw(plan, specs),
-           "momentum": _like_muon(plan, specs), "second_moment": _like_muon(plan, None)}
-    if state.skipped is not None:
-        out["skipped"] = P()
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), out,
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                             _portable_specs(plan, state.skipped is not None),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.auto_axes(lambda s: _export(plan, s, params),
                                   out_sharding=shardings)(state)
@@ -202,7 +199,8 @@ def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
     if state.muon:
         return _devices_of_buffers(tx, state, params)
     try:
-        _check(_plan(tx, params, 1, "export_state"), state, params, "export_state", _skips(tx))
+        _check(_plan(tx, params, 1, "export_state"), state, params, "export_state",
+               tx.init.options.skip_nonfinite)
     except ValueError as e:
         raise ValueError("export_state: this state's device count cannot be read from it "
                          "(no Muon leaves, traced arrays): pass num_devices=.") from e
@@ -249,15 +247,8 @@ def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any
     return out
 
 
-def _skips(tx: Any) -> bool:
-    return tx.init.options.skip_nonfinite
-
-
 def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -> None:
-    leaves = plan.treedef.flatten_up_to(params)
-    check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                           [x.dtype for x in leaves], per_device=False,
-                                           skipped=skipped), where)
+    check_state(plan, state, global_state_shapes(plan, params, skipped), where)
 
 
 def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
@@ -313,7 +304,7 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     target = tx.init.options.mesh
     portable = jax.tree.map(lambda x: np.asarray(x) if _elsewhere(x, target) else x, portable)
     mesh = _explicit_mesh(tx, (portable, params))
-    skipped = _skips(tx)
+    skipped = tx.init.options.skip_nonfinite
     if mesh is None:
         state = _import(plan, portable, params, skipped)
         if target is None or any(isinstance(x, jax.core.Tracer)
@@ -341,11 +332,9 @@ def _elsewhere(x: Any, mesh: jax.sharding.Mesh | None) -> bool:
 def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
             skipped: bool) -> MuonAdamWState:
     """``skipped``: the state counts skipped steps (from the portable form, else 0)."""
-    leaves = plan.treedef.flatten_up_to(params)
-    want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                        per_device=False)
-    mu = [optax.MaskedNode()] * len(leaves)
-    nu = [optax.MaskedNode()] * len(leaves)
+    want = global_state_shapes(plan, params)
+    mu = [optax.MaskedNode()] * len(plan.paths)
+    nu = [optax.MaskedNode()] * len(plan.paths)
     given_mu = plan.treedef.flatten_up_to(portable["mu"])
     given_nu = plan.treedef.flatten_up_to(portable["nu"])
     want_mu = plan.treedef.flatten_up_to(want.mu)

@@ -1,12 +1,9 @@
 """Finding muon_optax's state inside optax wrappers and chains.
 
-``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``apply_if_finite``,
-``masked``/``partition`` and the like keep the state of the transformations they wrap
-as it is, somewhere in their own state, and expose nothing else. So the wrapper's
-``init`` is traced abstractly (``jax.eval_shape``) while muon_optax's ``init`` answers
-with placeholder arrays it remembers; where those arrays land in the wrapper's state is
-where muon_optax's state is. Everything else in a wrapper's state (counters,
-hyperparameters, accumulators) is the wrapper's own.
+``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``masked`` and the like keep
+the state they wrap somewhere in their own and expose nothing else. So the wrapper's
+``init`` is traced abstractly while muon_optax's ``init`` answers with placeholder arrays
+it remembers: where those land in the wrapper's state is where muon_optax's state is.
 """
 
 from __future__ import annotations
