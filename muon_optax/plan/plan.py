@@ -114,13 +114,10 @@ class StackPlan:
 
     @property
     def state_key(self) -> tuple[Any, ...]:
-        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers.
-
-        Sharing lets each device own a different mix of stacks in buffers as long as the
-        busiest device's total. On one device every stack has buffers of its own (the key
-        adds its first leaf's index), so that its state is updated as a whole array, in
-        place: a slice of a shared buffer that a step reads and rewrites gets copied.
-        """
+        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers,
+        so each device may own a different mix in the busiest device's total. On one
+        device each stack keeps its own (the key adds its first leaf's index), updated
+        in place: a slice of a shared buffer that a step rewrites gets copied."""
         mu = self.stack.config.mu_dtype
         key = (self.stack.dtype, self.stack.dtype if mu is None else np.dtype(mu))
         return key + (self.stack.members[0].index,) if self.slots.shape[0] == 1 else key
@@ -128,12 +125,9 @@ class StackPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Channel:
-    """One flat per-device buffer: each stack's slots back to back, device by device.
-
-    ``offsets[k, d]`` is where stack ``k``'s slots start in device ``d``'s share (only
-    meaningful for the stacks in the channel); each slot takes ``sizes[k]`` elements;
-    ``length`` is the longest share, the size every device allocates.
-    """
+    """One flat per-device buffer: each stack's slots back to back. Stack ``k``'s start
+    in device ``d``'s share is ``offsets[k, d]``, ``sizes[k]`` elements a slot; every
+    device allocates ``length``, the longest share."""
 
     stacks: tuple[int, ...]
     offsets: np.ndarray           # (num stacks, N)
@@ -225,12 +219,10 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
                     routes: Sequence[Sequence[Route | None]],
                     holders: Sequence[np.ndarray | None], num_devices: int,
                     local_held: Sequence[list[list[tuple[int, int]]] | None]) -> OwnerPlan:
-    """Assigns owners across all stacks and lays out every channel. ``routes[k]`` gives
-    each member of stack ``k`` its route (``"exchange"`` stacks).
-
-    ``holders[k]`` pins a ``"local"`` stack's matrices to the devices that hold them;
-    ``local_held[k][d]`` lists device ``d``'s (member, batch index) pairs of that stack.
-    """
+    """Assigns owners across all stacks and lays out every channel. ``routes[k]``: each
+    member's route (``"exchange"`` stacks); ``holders[k]`` pins a ``"local"`` stack's
+    matrices to their devices, ``local_held[k][d]`` lists device ``d``'s (member, batch
+    index) pairs."""
     flops, state, fixed, where = [], [], [], []
     for k, (stack, hold) in enumerate(zip(stacks, holders)):
         f = matrix_flops(stack)
@@ -275,13 +267,9 @@ def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.
 
 @dataclasses.dataclass(frozen=True)
 class AdamWLeaf:
-    """An AdamW parameter: where its moments live.
-
-    ``local``: the parameter arrives split over the mesh by the user; its moments are
-    split the same way and it is updated where it lies. Otherwise it is whole on every
-    device: split along ``axis`` over the owner axes (padded to ``padded``), or, under
-    the small-parameter threshold (``axis=None``), updated everywhere.
-    """
+    """An AdamW parameter: where its moments live. ``local``: split over the mesh by the
+    user, and updated where it lies; else whole on every device, its moments split along
+    ``axis`` over the owner axes (padded to ``padded``), or replicated (``axis=None``)."""
 
     index: int
     path: str
