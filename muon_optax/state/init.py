@@ -24,7 +24,18 @@ class Init:
         self._fn, self.options, self.configs = fn, opts, opts.configs
 
     def state_specs(self, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-        return state_specs_of(self.options, params, mesh)
+        """PartitionSpecs of the state of ``params`` on ``mesh`` (for ``shard_map``)."""
+        opts = self.options
+        if opts.axes is None:
+            raise ValueError("state_specs: this transformation was built without "
+                             "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
+        missing = [a for a in opts.axes if a not in mesh.shape]
+        if missing:
+            raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
+                             f"{missing[0]!r}.")
+        axes = tuple((a, mesh.shape[a]) for a in opts.axes)
+        return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
+                                     skipped=opts.skip_nonfinite)
 
     def __call__(self, params: Any) -> MuonAdamWState:
         rec = recorder()
@@ -98,16 +109,3 @@ def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str,
                          "your own shard_map and does not know the mesh).")
     return tuple((a, opts.mesh.shape[a]) for a in opts.axes)
 
-
-def state_specs_of(opts: Options, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-    """PartitionSpecs of the state of ``params`` on ``mesh`` (for ``shard_map`` users)."""
-    if opts.axes is None:
-        raise ValueError("state_specs: this transformation was built without "
-                         "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
-    missing = [a for a in opts.axes if a not in mesh.shape]
-    if missing:
-        raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
-                         f"{missing[0]!r}.")
-    axes = tuple((a, mesh.shape[a]) for a in opts.axes)
-    return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
-                                 skipped=opts.skip_nonfinite)

@@ -77,17 +77,14 @@ def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
                 start = where.get(id(leaves[0]))
                 if start is not None and all(where.get(id(x)) == start + i
                                              for i, x in enumerate(leaves)):
-                    found.append(Found(init, jax.tree.map(_struct, seen), treedef, start,
-                                       len(leaves)))
+                    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                        x.shape, x.dtype, sharding=getattr(x, "sharding", None)), seen)
+                    found.append(Found(init, structs, treedef, start, len(leaves)))
             return out
         shapes = jax.eval_shape(traced, params)
     finally:
         _RECORDER.reset(token)
     return found, shapes
-
-
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
