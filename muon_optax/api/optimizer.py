@@ -75,12 +75,11 @@ def muon_adamw(
         count.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
-      dimension_numbers: which axes of a Muon leaf are input (``reduction_axis``) and
-        output (``output_axis``) axes, as ``optax.contrib.MuonDimensionNumbers``: one for
-        all, a tree of them, or a callable. Default: the last two axes are ``(in, out)``
-        (Flax layout), leading axes are batch axes (a scanned ``(L, in, out)`` stack is L
-        matrices). PyTorch layout is ``MuonDimensionNumbers(reduction_axis=1,
-        output_axis=0)``.
+      dimension_numbers: a Muon leaf's input (``reduction_axis``) and output
+        (``output_axis``) axes, and blocks, as :class:`muon_optax.MuonDimensionNumbers`:
+        one for all, a tree of them, or a callable. Default: the last two axes are ``(in,
+        out)`` (Flax), leading axes batch (a scanned ``(L, in, out)`` is L matrices).
+        PyTorch layout: ``MuonDimensionNumbers(reduction_axis=1, output_axis=0)``.
       axis_name: the mesh axis (or a tuple of axes) whose devices own the Muon matrices.
         Without ``mesh``, ZeRO-2 inside your ``jax.shard_map``: ``init`` and ``update``
         run there, the params whole on every device, and ``update`` takes each device's

@@ -1,20 +1,17 @@
 """Optimizer state that moves between device counts and sharding modes.
 
-The engine keeps the Muon state in flat per-device buffers whose layout depends on the
-device count, the owner plan and the params' layouts (:mod:`muon_optax.plan.plan`), and may
-pad large AdamW moments to a multiple of the device count. The portable form is the
+The Muon state's flat per-device buffers depend on the device count, the owner plan and
+the params' layouts, and large AdamW moments may be padded. The portable form is the
 same numbers per parameter, in the parameter's own layout:
 
     {"count": int32 scalar,
      "mu": AdamW first moments  (params' structure; None at Muon leaves),
      "nu": AdamW second moments (likewise),
      "momentum": Muon momentum  (params' structure, leaf-shaped; None at AdamW leaves),
-     "second_moment": NorMuon second moment (leaf-shaped with the averaged side's axes
-                       of length 1: one value per output feature if out >= in, else per
-                       input feature; None at AdamW leaves; for a leaf cut into blocks
-                       (MuonDimensionNumbers' output_blocks/reduction_blocks) shaped as
-                       its block view, one row or column per block, so it imports only
-                       into a transformation given the same blocks),
+     "second_moment": NorMuon second moment (leaf-shaped, the averaged side's axes of
+                       length 1; None at AdamW leaves; a leaf cut into blocks is shaped
+                       as its block view, one row or column per block, so it imports
+                       only into a transformation given the same blocks),
      "skipped": int32 scalar, steps skipped for a non-finite gradient (only from a
                 transformation built with skip_nonfinite=True)}
 
@@ -187,9 +184,9 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
 
 def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
     """The device count a ZeRO-2 state was made for: the owner axes' size in the mesh its
-    arrays lie on; else the count whose plan gives its Muon buffers their sizes; else (a
-    state of AdamW leaves under jit) one device if that fits (the per-parameter form is
-    then the same for any count), or a clear error."""
+    arrays lie on; else the count that gives its Muon buffers their sizes; else (AdamW
+    leaves only, traced) one device if that fits (their portable form is then the same
+    for any count)."""
     axes = tx.init.options.axes
     for x in jax.tree.leaves(state):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
@@ -288,12 +285,10 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
 
     Place the result with :func:`muon_optax.state_specs` (or let ``jax.jit`` place it).
     ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the
-    device count to make the state for (required there).
-
-    ``portable`` may also be the state of ``optax.contrib.muon`` (or of a chain or
-    wrapper holding it) for ``tx`` a :func:`muon_optax.contrib_muon` with the same
-    arguments, wrapped the same way: the result is ``tx``'s state, to continue the run
-    (see :mod:`muon_optax.state.optax_state`).
+    device count to make the state for (required there). ``portable`` may also be
+    ``optax.contrib.muon``'s state (alone or wrapped) for ``tx`` a
+    :func:`muon_optax.contrib_muon` with the same arguments, wrapped the same way
+    (:mod:`muon_optax.state.optax_state`).
     """
     if holds_optax_muon_state(portable):
         return import_optax_state(tx, portable, params, num_devices=num_devices)
@@ -331,7 +326,6 @@ def _elsewhere(x: Any, mesh: jax.sharding.Mesh | None) -> bool:
 
 def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
             skipped: bool) -> MuonAdamWState:
-    """``skipped``: the state counts skipped steps (from the portable form, else 0)."""
     want = global_state_shapes(plan, params)
     mu = [optax.MaskedNode()] * len(plan.paths)
     nu = [optax.MaskedNode()] * len(plan.paths)
