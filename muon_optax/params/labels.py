@@ -104,23 +104,20 @@ class PathLabels:
         self.rules, self.matrix, self.other = rules, matrix, other
 
     def __call__(self, params: Any) -> Any:
-        return jax.tree.map(lambda pair: pair[0], self._decide(params),
-                            is_leaf=lambda x: isinstance(x, tuple))
+        return self._decide(params, 0)
 
     def reasons(self, params: Any) -> Any:
         """The params' tree with, at every leaf, why it got its label (for
         :func:`muon_optax.describe`)."""
-        return jax.tree.map(lambda pair: pair[1], self._decide(params),
-                            is_leaf=lambda x: isinstance(x, tuple))
+        return self._decide(params, 1)
 
-    def _decide(self, params: Any) -> Any:
+    def _decide(self, params: Any, part: int) -> Any:
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         names = [path_str(p) for p, _ in flat]
         head = _vocabulary_head(names, [x for _, x in flat])
-        out = []
-        for i, (name, (_, leaf)) in enumerate(zip(names, flat)):
-            out.append(self._one(name, leaf, head if head and head[0] == i else None))
-        return treedef.unflatten(out)
+        return treedef.unflatten([self._one(name, leaf, head if head and head[0] == i
+                                            else None)[part]
+                                  for i, (name, (_, leaf)) in enumerate(zip(names, flat))])
 
     def _one(self, name: str, leaf: Any, head: tuple | None) -> tuple[str, str]:
         for pattern, group in self.rules:
