@@ -208,24 +208,19 @@ def _check_dtypes(want: dict, portable: dict, params: Any, paths: list[str],
                                  "optax run's mu_dtype (None keeps the parameter's dtype).")
 
 
-def _portable_shapes(tx: Any, params: Any) -> dict:
-    """The shape structs of ``tx``'s portable state for ``params``."""
-    from muon_optax.state.portable import export_state
-
-    opts = tx.init.options
-    shapes = tx.init.global_shapes(params)
-    n = 1 if opts.axes is not None and opts.mesh is None else None
-    return jax.eval_shape(lambda s: export_state(tx, s, params, num_devices=n), shapes)
-
-
 def to_portable(tx: Any, state: PartitionState, params: Any, where: str) -> dict:
     """optax's state of ``tx``'s arguments as :func:`muon_optax.export_state`'s form."""
+    from muon_optax.state.portable import export_state
+
     counts = _check_structure(tx, state, where)
     muon_state = state.inner_states["muon"].inner_state[0]
     adam_state = state.inner_states["adam"].inner_state[0]
     _check_counts(counts, where)
     _check_coeffs(tx, muon_state.ns_coeffs, where)
-    want = _portable_shapes(tx, params)
+    opts = tx.init.options
+    n = 1 if opts.axes is not None and opts.mesh is None else None
+    want = jax.eval_shape(lambda s: export_state(tx, s, params, num_devices=n),
+                          tx.init.global_shapes(params))
     treedef = jax.tree.structure(params)
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     muon_index = {i for i, x in enumerate(treedef.flatten_up_to(want["momentum"]))
