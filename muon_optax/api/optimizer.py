@@ -65,14 +65,11 @@ def muon_adamw(
       groups: group name -> a dict in nanochat's ``param_groups`` format without
         ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
         ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``. Only ``lr``
-        is required; the rest default to :func:`muon_optax.adamw`'s and
-        :func:`muon_optax.muon`'s defaults. Muon groups also take
-        ``row_equilibration`` (default True), ``renormalize`` (default True),
-        ``compute_dtype``, ``polar_method``, ``ns_coeffs`` ("polar_express"),
-        ``nesterov`` (True), ``normuon`` (True), ``cautious`` (True),
-        ``preconditioning`` ("basin") and ``mu_dtype`` (None) (see
-        :func:`muon_optax.muon`). Every scalar may be an optax schedule of the step
-        count.
+        is required; the rest default as in :func:`muon_optax.adamw` and
+        :func:`muon_optax.muon`, whose other options Muon groups also take
+        (``row_equilibration``, ``renormalize``, ``compute_dtype``, ``polar_method``,
+        ``ns_coeffs``, ``nesterov``, ``normuon``, ``cautious``, ``preconditioning``,
+        ``mu_dtype``). Every scalar may be an optax schedule of the step count.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
       dimension_numbers: a Muon leaf's input (``reduction_axis``) and output
