@@ -1,7 +1,5 @@
-"""The public constructors: nanochat's MuonAdamW, and Muon and AdamW alone.
-
-All three build the same engine (:mod:`muon_optax.step.engine`) with different groups, so
-they shard the same way and their states have the same form.
+"""The public constructors: nanochat's MuonAdamW, and Muon and AdamW alone, all the same
+engine with different groups (so they shard alike and their states have one form).
 """
 
 from __future__ import annotations
@@ -37,8 +35,8 @@ def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
 
 
 def _refuse_injection(small_param_threshold: Any) -> None:
-    """``optax.inject_hyperparams(muon_adamw)`` hands its numbers in as arrays, and the only
-    numeric argument it finds is ``small_param_threshold``: say what to do instead."""
+    """``optax.inject_hyperparams(muon_adamw)`` finds only ``small_param_threshold`` to
+    inject (as an array): say what to do instead."""
     if isinstance(small_param_threshold, jax.Array):
         raise TypeError(
             "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
@@ -67,22 +65,18 @@ def muon_adamw(
       groups: group name -> a dict in nanochat's ``param_groups`` format without
         ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
         ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``. Only ``lr``
-        is required; the rest default to :func:`muon_optax.adamw`'s and
-        :func:`muon_optax.muon`'s defaults. Muon groups also take
-        ``row_equilibration`` (default True), ``renormalize`` (default True),
-        ``compute_dtype``, ``polar_method``, ``ns_coeffs`` ("polar_express"),
-        ``nesterov`` (True), ``normuon`` (True), ``cautious`` (True),
-        ``preconditioning`` ("basin") and ``mu_dtype`` (None) (see
-        :func:`muon_optax.muon`). Every scalar may be an optax schedule of the step
-        count.
+        is required; the rest default as in :func:`muon_optax.adamw` and
+        :func:`muon_optax.muon`, whose other options Muon groups also take
+        (``row_equilibration``, ``renormalize``, ``compute_dtype``, ``polar_method``,
+        ``ns_coeffs``, ``nesterov``, ``normuon``, ``cautious``, ``preconditioning``,
+        ``mu_dtype``). Every scalar may be an optax schedule of the step count.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
-      dimension_numbers: which axes of a Muon leaf are input (``reduction_axis``) and
-        output (``output_axis``) axes, as ``optax.contrib.MuonDimensionNumbers``: one for
-        all, a tree of them, or a callable. Default: the last two axes are ``(in, out)``
-        (Flax layout), leading axes are batch axes (a scanned ``(L, in, out)`` stack is L
-        matrices). PyTorch layout is ``MuonDimensionNumbers(reduction_axis=1,
-        output_axis=0)``.
+      dimension_numbers: a Muon leaf's input (``reduction_axis``) and output
+        (``output_axis``) axes, and blocks, as :class:`muon_optax.MuonDimensionNumbers`:
+        one for all, a tree of them, or a callable. Default: the last two axes are ``(in,
+        out)`` (Flax), leading axes batch (a scanned ``(L, in, out)`` is L matrices).
+        PyTorch layout: ``MuonDimensionNumbers(reduction_axis=1, output_axis=0)``.
       axis_name: the mesh axis (or a tuple of axes) whose devices own the Muon matrices.
         Without ``mesh``, ZeRO-2 inside your ``jax.shard_map``: ``init`` and ``update``
         run there, the params whole on every device, and ``update`` takes each device's
@@ -96,19 +90,14 @@ def muon_adamw(
       param_specs: with ``mesh``, the params' layouts: a tree of ``PartitionSpec`` or
         ``NamedSharding`` (``nnx.Variable`` boxes accepted, e.g.
         ``nnx.get_partition_spec(state)``), a callable params -> such a tree, or one
-        ``PartitionSpec`` for all (``P()``: replicated). Needed only on meshes of
-        ``AxisType.Auto`` axes under ``jax.jit``, whose layouts are not in the types,
-        when ``init`` was not called eagerly on the placed params (whose state records
-        them);
-        without either, tracing ``init`` or ``update`` raises. On ``AxisType.Explicit``
-        axes the types carry the layouts.
+        ``PartitionSpec`` for all (``P()``: replicated). Needed only under ``jax.jit`` on
+        ``AxisType.Auto`` axes (no layouts in the types) when ``init`` was not called
+        eagerly on the placed params (its state records them); else tracing raises.
       small_param_threshold: under ``axis_name``, AdamW params whole on every device with
         fewer elements are all-reduced and replicated instead of split.
       max_grad_norm: scale the mean gradient ``g`` by ``min(1, max_grad_norm / ||g||)``,
-        its norm over every element of every leaf of every group: what
-        ``optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)`` does on one device
-        fed the global batch, in every mode (in ZeRO-2 from the reduce-scattered shares
-        and one scalar ``psum``; a transform chained before the ZeRO-2 form would see one
+        its norm over all leaves: ``optax.clip_by_global_norm`` on one device fed the
+        global batch, in every mode (chained before the ZeRO-2 form, it would see one
         device's gradient). None: no clipping.
       skip_nonfinite: a step whose mean gradient has a NaN or inf returns zero updates and
         the state unchanged (``count`` too) on every device alike; ``state.skipped``
@@ -154,11 +143,8 @@ def muon(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
-    """Muon on every leaf (each must have two or more axes), as nanochat computes it.
-
-    Same-shape matrices are stacked and updated by one batched program. Usable alone or
-    inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the same arithmetic
-    for its Muon groups.
+    """Muon on every leaf (each must have two or more axes), as nanochat computes it, alone
+    or inside ``optax.partition``; :func:`muon_optax.muon_adamw`'s Muon groups alike.
 
     Args:
       lr: learning rate; a matrix with more rows than columns (out > in) gets
@@ -173,10 +159,9 @@ def muon(
       compute_dtype: dtype of the polar iteration; default float32 on CPU, bfloat16 on
         accelerators.
       polar_method: ``"auto"`` (default) runs the last polar steps of a float32
-        rectangular matrix in Gram space where that saves FLOPs (1.3x fewer for 4:1
-        matrices; the same polynomial, rounded differently, within float32 accuracy of
-        the rule); ``"direct"`` runs every step as the rule writes it; ``"gram"``
-        forces the Gram-space form (see :func:`muon_optax.rule.polar.polar_express`).
+        rectangular matrix in Gram space where that saves FLOPs (1.3x fewer for 4:1; the
+        same polynomial within float32 accuracy); ``"direct"``: every step as the rule
+        writes it; ``"gram"`` forces Gram space (:func:`muon_optax.rule.polar.polar_express`).
       dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
         params -> tree); default: last two axes ``(in, out)``, leading axes batch.
       ns_coeffs: the polynomial of each iteration: ``"polar_express"`` (default; the
@@ -224,10 +209,9 @@ def adamw(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
-    """AdamW on every leaf, with nanochat's hyperparameter names.
-
-    Usable alone or inside ``optax.partition``; :func:`muon_optax.muon_adamw` runs the
-    same arithmetic for its AdamW groups. Each scalar may be an optax schedule.
+    """AdamW on every leaf, with nanochat's hyperparameter names, alone or inside
+    ``optax.partition`` (:func:`muon_optax.muon_adamw`'s AdamW groups alike). Each scalar
+    may be an optax schedule.
 
     Args:
       lr: learning rate.

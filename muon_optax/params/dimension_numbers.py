@@ -1,14 +1,11 @@
 """Which axes of a parameter are Muon's matrix sides, and into how many blocks each is cut.
 
-:class:`MuonDimensionNumbers` is optax's ``optax.contrib.MuonDimensionNumbers`` (the
-input and output axes; every other axis is a batch axis) plus two block counts. Blocks
-are what per-head Muon (each attention head's slice of ``c_q`` its own matrix), Group
-Muon (a few heads per matrix), split fused weights (QKV into q, k, v; gate/up into
-gate and up) and per-head input blocks of an output projection need: after the axes
-map a leaf to ``rows x cols`` matrices, each matrix is cut into ``output_blocks`` equal
-runs of rows and ``reduction_blocks`` equal runs of columns, and every block is one
-Muon matrix (its own equilibration, polar factor, aspect-ratio factor and NorMuon
-statistics). Experts ``(E, in, out)`` need no blocks: ``E`` is a batch axis.
+:class:`MuonDimensionNumbers` is ``optax.contrib.MuonDimensionNumbers`` plus two block
+counts, for per-head Muon, Group Muon, split fused weights (QKV, gate/up) and per-head
+input blocks of an output projection: each matrix is cut into ``output_blocks`` equal
+runs of rows and ``reduction_blocks`` of columns, and every block is one Muon matrix
+(its own equilibration, polar factor, aspect-ratio factor and NorMuon statistics).
+Experts ``(E, in, out)`` need no blocks: ``E`` is a batch axis.
 
 A side of several axes (``(heads, head_dim)``) is flattened in the order the axes are
 given, and blocks are contiguous runs of it, so ``output_blocks=heads`` cuts at heads.

@@ -21,22 +21,14 @@ from muon_optax.params.variables import unbox, unboxed_structure
 def path_str(path: Sequence[Any]) -> str:
     """``/``-joined readable form of a pytree key path: ``blocks/0/attn/kernel``.
 
-    A trailing ``.value`` (the box of a Flax NNX ``Variable``, present in
-    ``nnx.state`` trees but not in their pure form) is not part of the name, so
-    ``init`` and ``update`` see the same path for the same parameter.
+    A trailing ``.value`` (an ``nnx.Variable``'s box, absent from the pure form) is
+    dropped, so ``init`` and ``update`` see the same path for the same parameter.
     """
     path = list(path)
     if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
         path = path[:-1]
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+    return "/".join(str(next((getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)),
+                             k)) for k in path)
 
 
 # Leaf names that are never matrices, whatever their rank: biases, (norm) scales and
@@ -57,14 +49,9 @@ OTHER_MODULES = re.compile(r"(^|_)(embeds?|embeddings?|unembed|unembedding|wte|w
 EMBEDDINGS = re.compile(r"(^|_)(embeds?|embeddings?|emb|wte)$", re.IGNORECASE)
 
 
-def _leaf_name(name: str) -> str:
-    """The last component of a ``/``-joined path: the parameter's own name."""
-    return name.rsplit("/", 1)[-1]
-
-
 def _by_name(name: str) -> bool:
     """Named as a bias, a scale, an embedding or an output head: not a Muon matrix."""
-    return bool(OTHER_NAMES.search(_leaf_name(name))) or any(
+    return bool(OTHER_NAMES.search(name.rsplit("/", 1)[-1])) or any(
         OTHER_MODULES.search(part) for part in name.split("/"))
 
 
@@ -81,18 +68,14 @@ def label_by_path(
         leaf's ``/``-joined path; the first match names the leaf's group.
       matrix: group of an unmatched leaf with two or more axes (a ``kernel``, a
         ``weight``), unless its name says otherwise (below).
-      other: group of an unmatched scalar or vector leaf, of an output head that no name
-        gives away (the only 2-D leaf of an embedding table's shape, transposed or not,
-        the table a 2-D leaf with more rows than columns under a path component named
-        ``embedding``, ``embed``, ``emb``, ``wte``, ...: the JAX AI stack's
-        ``output_layer/kernel``), and of an unmatched leaf
-        whose last path component names a bias, a scale or an embedding (``bias``,
-        ``scale``, ``embedding``, ``embed``, or ending in ``_bias``, ``_scale``,
-        ``_embedding``, ``_embed``), whatever its rank: a scanned layer's ``(L, d)``
-        bias or norm scale, a ``DenseGeneral`` bias, an ``nnx.Embed`` table; and of
-        every leaf of an embedding or output-head module, any path component named
-        ``embed(s)``, ``embedding(s)``, ``unembed(ding)``, ``wte``, ``wpe`` or
-        ``head``, alone or after ``_`` (``lm_head/kernel``, ``tok_embeddings/weight``).
+      other: group of every other unmatched leaf: scalars and vectors; whatever its rank,
+        a leaf named ``bias``, ``scale``, ``embedding``, ``embed`` (or ending in
+        ``_bias``, ...: a scanned ``(L, d)`` bias or norm scale, an ``nnx.Embed``
+        table); every leaf under a path component named ``embed(s)``,
+        ``embedding(s)``, ``unembed(ding)``, ``wte``, ``wpe`` or ``head``, alone or after
+        ``_`` (``lm_head/kernel``); and an output head no name gives away (the JAX AI
+        stack's ``output_layer/kernel``): the only 2-D leaf of the shape of an embedding
+        table, a 2-D leaf with more rows than columns under ``embed``, ``emb``, ``wte``,...
 
     Example, nanochat's split for a Flax GPT::
 
@@ -121,29 +104,26 @@ class PathLabels:
         self.rules, self.matrix, self.other = rules, matrix, other
 
     def __call__(self, params: Any) -> Any:
-        return jax.tree.map(lambda pair: pair[0], self._decide(params),
-                            is_leaf=lambda x: isinstance(x, tuple))
+        return self._decide(params, 0)
 
     def reasons(self, params: Any) -> Any:
         """The params' tree with, at every leaf, why it got its label (for
         :func:`muon_optax.describe`)."""
-        return jax.tree.map(lambda pair: pair[1], self._decide(params),
-                            is_leaf=lambda x: isinstance(x, tuple))
+        return self._decide(params, 1)
 
-    def _decide(self, params: Any) -> Any:
+    def _decide(self, params: Any, part: int) -> Any:
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         names = [path_str(p) for p, _ in flat]
         head = _vocabulary_head(names, [x for _, x in flat])
-        out = []
-        for i, (name, (_, leaf)) in enumerate(zip(names, flat)):
-            out.append(self._one(name, leaf, head if head and head[0] == i else None))
-        return treedef.unflatten(out)
+        return treedef.unflatten([self._one(name, leaf, head if head and head[0] == i
+                                            else None)[part]
+                                  for i, (name, (_, leaf)) in enumerate(zip(names, flat))])
 
     def _one(self, name: str, leaf: Any, head: tuple | None) -> tuple[str, str]:
         for pattern, group in self.rules:
             if pattern.search(name):
                 return group, f"rule {pattern.pattern!r}"
-        if OTHER_NAMES.search(_leaf_name(name)):
+        if OTHER_NAMES.search(name.rsplit("/", 1)[-1]):
             return self.other, "named as a bias, scale or embedding"
         if any(OTHER_MODULES.search(part) for part in name.split("/")):
             return self.other, "in an embedding or head module (by name)"

@@ -1,31 +1,22 @@
 """How Muon sees a parameter: matrices, their orientation, and the stacks they join.
+Static: computed from shapes, dtypes and labels at trace time.
 
-Everything here is static: it is computed in Python from shapes, dtypes and labels at
-trace time, and only decides which slices, transposes and concatenations the traced
-program does.
+Orientation. The rule's matrix has ``R`` rows = output features and ``C`` columns =
+input features (PyTorch's ``(out, in)``). ``MuonDimensionNumbers`` map a leaf of any
+rank to a batch of them; default: the last two axes are ``(in, out)`` (Flax ``Dense``),
+leading axes (a scanned layer stack) are batch axes.
 
-Orientation. The rule is written for a matrix with ``R`` rows = output features and
-``C`` columns = input features (PyTorch's ``(out, in)``). A leaf of any rank is mapped
-to a batch of such matrices with ``MuonDimensionNumbers`` (``reduction_axis`` = input
-axes, ``output_axis`` = output axes, all other axes batch). Default: the last two axes
-are ``(in, out)``, the Flax ``Dense`` layout, and leading axes (a scanned layer stack)
-are batch axes.
+Blocks. A block split is a reshape of the leaf: the cut axis ``n`` becomes ``(blocks,
+n / blocks)``, the first a batch axis. A :class:`MatrixLeaf` describes this *block
+view*; everything after it (stacks, owners, transports, state) sees only blocks.
 
-Blocks. ``MuonDimensionNumbers(..., reduction_blocks, output_blocks)`` cut each matrix
-into equal blocks, each one Muon matrix. A block split is a reshape of the leaf: the
-cut axis ``n`` becomes ``(blocks, n / blocks)`` and the first of the two is a batch
-axis. So a :class:`MatrixLeaf` describes the leaf's *block view* (``shape``, and axes
-numbered in it); :meth:`MatrixLeaf.view` reshapes a leaf (or a device's block of one)
-into it, and everything after (stacks, owners, transports, state) sees only blocks.
-
-Stacks. A matrix is stored the way its leaf lays it out: its matrix axes in leaf
-order, so a Flax ``(in, out)`` kernel is stored as the transpose ``(C, R)`` of the
-rule's matrix (``transposed``) and the stored view is a reshape, never a copy. The
-polar iteration commutes with transposition and takes its Gram matrix on the short
-side whatever the stored orientation; the steps that do not commute (row
-equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix flag. All
-matrices with the same stored shape, dtype and static options form one stack
-``(K, R, C)`` updated by one batched program, across groups and orientations.
+Stacks. A matrix is stored in its leaf's axis order, so a Flax ``(in, out)`` kernel is
+stored as the transpose ``(C, R)`` (``transposed``) and the stored view is a reshape,
+never a copy. The polar iteration commutes with transposition and takes its Gram
+matrix on the short side either way; the steps that do not (row equilibration,
+NorMuon's axis, the aspect-ratio factor) read a per-matrix flag. Matrices of the same
+stored shape, dtype and static options form one stack ``(K, R, C)``, one batched
+program across groups and orientations.
 
 (Stored wide instead, an MLP's ``c_fc`` and ``c_proj`` would share one stack, but
 ``c_proj`` would be transposed in and out every step: on a TPU, whose arrays are
@@ -67,11 +58,8 @@ def _axes(value: Any, ndim: int, name: str, path: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class MatrixLeaf:
-    """A Muon parameter leaf seen as ``batch`` matrices of ``rows x cols`` (out x in).
-
-    With blocks, ``shape`` and the axes are the leaf's block view's (see the module
-    docstring), ``batch`` counts blocks and ``rows x cols`` is one block.
-    """
+    """A Muon parameter leaf's block view as ``batch`` matrices of ``rows x cols`` (out x
+    in); axes are numbered in the block view."""
 
     index: int                  # position among all param leaves (flattening order)
     path: str
@@ -135,8 +123,7 @@ class MatrixLeaf:
         return tuple(sorted(self.out_axes + self.in_axes))
 
     def split_batch(self, x: jax.Array) -> jax.Array:
-        """``(batch, *matrix axes)`` view of a leaf-shaped array, or of a block of one
-        (any sizes): batch axes first, flattened; matrix axes in leaf order."""
+        """``(batch, *matrix axes)`` view of a leaf-shaped array (or a block of one)."""
         perm = self.batch_axes + self.matrix_axes
         return jnp.transpose(x, perm).reshape((-1,) + tuple(x.shape[a] for a in
                                                             self.matrix_axes))
@@ -172,9 +159,7 @@ class MatrixLeaf:
 
     def to_stored(self, x: jax.Array) -> jax.Array:
         """``(batch, R, C)`` stored view of a leaf-shaped array, or of a block of one
-        split along its batch axes."""
-        # A transpose only where the batch axes are not leading or the matrix axes of
-        # one side are not adjacent; then a reshape.
+        split along its batch axes (a transpose only where the axes are not in order)."""
         return jnp.transpose(x, self.stored_perm).reshape((-1,) + self.stored_shape)
 
     def from_stored(self, y: jax.Array, shape: Sequence[int] | None = None) -> jax.Array:
@@ -302,12 +287,8 @@ def normuon_reduces_rows(rows: int, cols: int, transposed: bool) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """Matrices updated by one batched program: same stored shape, dtype and options.
-
-    The stack's matrices are its members' matrices in member order (a leaf with batch
-    axes contributes ``batch`` of them, in row-major batch order); :mod:`muon_optax.plan.plan`
-    decides which device owns each.
-    """
+    """Matrices updated by one batched program: its members' matrices in member order
+    (each ``batch`` of them, row-major)."""
 
     rows: int
     cols: int
@@ -344,11 +325,8 @@ class Stack:
 
 def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],
                 signature=lambda leaf: None) -> tuple[Stack, ...]:
-    """Groups Muon matrices into stacks, in first-seen order.
-
-    ``signature(leaf)`` adds what else two leaves must share to be batched together
-    (how they travel between devices, see :mod:`muon_optax.plan.plan`).
-    """
+    """Groups Muon matrices into stacks, in first-seen order; ``signature(leaf)``: what
+    else two leaves must share (how they travel between devices)."""
     buckets: dict[tuple, list[MatrixLeaf]] = {}
     for leaf in leaves:
         # Squares of both layouts do not share a stack: NorMuon's axis depends on it.

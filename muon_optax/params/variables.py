@@ -1,13 +1,11 @@
 """Flax NNX ``Variable`` boxes in the trees users pass, and ``nnx.Optimizer``'s state.
 
-``nnx.Optimizer`` calls ``tx.init(nnx.state(model, wrt))``, whose leaves are
-``nnx.Param`` boxes, but ``tx.update`` with plain arrays (``nnx.as_pure``); Flax's own
-metadata comes boxed the same way (``nnx.get_partition_spec(state)`` holds
-``Param(value=P(...))``). The argument trees (labels, dimension numbers, param specs) are
-unboxed and read against the unboxed params, so that boxed and plain trees mix; the
-params, gradients and states keep the form they come in (a boxed state stays boxed, as
-existing checkpoints hold it). Flax is optional: if ``flax.nnx`` has not been imported,
-no tree can hold its boxes and nothing is done.
+``nnx.Optimizer`` calls ``tx.init`` with ``nnx.Param`` boxes but ``tx.update`` with plain
+arrays, and Flax's metadata comes boxed too (``nnx.get_partition_spec``). The argument
+trees (labels, dimension numbers, param specs) are read unboxed against the unboxed
+params, so boxed and plain trees mix; params, gradients and states keep their form (a
+boxed state stays boxed, as checkpoints hold it). Without ``flax.nnx`` imported no tree
+can hold its boxes and nothing is done.
 """
 
 from __future__ import annotations
@@ -18,14 +16,9 @@ from typing import Any
 import jax
 
 
-def _variable_type() -> type | None:
-    nnx = sys.modules.get("flax.nnx")
-    return getattr(nnx, "Variable", None)
-
-
 def unbox(tree: Any) -> Any:
     """``tree`` with every ``nnx.Variable`` replaced by the value it holds."""
-    variable = _variable_type()
+    variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)
     if variable is None or tree is None:
         return tree
     is_box = lambda x: isinstance(x, variable)  # noqa: E731

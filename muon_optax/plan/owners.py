@@ -1,7 +1,5 @@
 """Balanced owners: which device runs each Muon matrix's polar iteration and holds its
-state, chosen across all stacks by cost so that the busiest device does about ``1/N`` of
-the work and holds about ``1/N`` of the state.
-"""
+state."""
 
 from __future__ import annotations
 
@@ -48,16 +46,14 @@ def _greedy(order: list[int], flops: np.ndarray, state: np.ndarray, owners: np.n
 
 def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: int,
                   fixed: Sequence[int] | None = None) -> np.ndarray:
-    """Owner of every matrix: greedy longest-processing-time across all stacks.
-
-    Matrices are taken from the most to the least expensive (FLOPs, then state), each to
-    the device with the least work so far, ties broken by the least state, then the
-    lowest index. For nanochat-shaped models this reaches the best whole-matrix
-    assignment of both FLOPs and state (tests/test_plan.py checks it against an exact
-    search up to N = 256). When FLOPs and state disagree more (many tiny matrices beside
-    a few large ones), a second greedy balancing both loads over their lower bounds can
-    do better; the assignment with the smaller worse ratio is kept. ``fixed[i] >= 0``
-    pins matrix ``i`` to that device (a matrix that already lives there).
+    """Owner of every matrix: greedy longest-processing-time across all stacks, from the
+    most to the least expensive (FLOPs, then state), each to the device with the least
+    work so far (ties: least state, lowest index). For nanochat-shaped models this is the
+    best whole-matrix assignment of both FLOPs and state (tests/test_plan.py checks it
+    against an exact search up to N = 256). Where FLOPs and state disagree more (many
+    tiny matrices beside a few large ones), a second greedy balancing both over their
+    lower bounds can do better: the one with the smaller worse ratio is kept.
+    ``fixed[i] >= 0`` pins matrix ``i`` to that device (it already lives there).
     """
     flops, state = np.asarray(flops, float), np.asarray(state, float)
     owners = np.full(len(flops), -1, np.int64) if fixed is None else np.asarray(fixed, np.int64)

@@ -6,16 +6,11 @@ and NorMuon state and runs its polar iteration. Owners are chosen across all sta
 cost (:func:`assign_owners`), so that the busiest device does about ``1/N`` of the work
 and holds about ``1/N`` of the state, whatever the stack sizes.
 
-How a matrix reaches its owner is its *transport* (:mod:`muon_optax.plan.routes`).
-
 Under SPMD every device runs the same program, so uneven ownership lives in data: each
 device's share of every flat buffer lists its matrices stack by stack (a *channel*), at
-offsets read from small static tables indexed by the device. A stack runs its first
-``min`` slots (owned by every device) as one batched program and its remaining slots
-one at a time under ``lax.cond``, skipped where a device owns fewer. The program's size
-depends on the stacks and the slots per device, never on ``N``.
-
-Everything here is static: NumPy and Python from shapes, labels and shardings.
+offsets read from small static tables indexed by the device. A stack runs the slots
+every device owns as one batched program and the rest one at a time under ``lax.cond``:
+the program's size depends on the stacks and slots per device, never on ``N``.
 """
 
 from __future__ import annotations
@@ -119,13 +114,10 @@ class StackPlan:
 
     @property
     def state_key(self) -> tuple[Any, ...]:
-        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers.
-
-        Sharing lets each device own a different mix of stacks in buffers as long as the
-        busiest device's total. On one device every stack has buffers of its own (the key
-        adds its first leaf's index), so that its state is updated as a whole array, in
-        place: a slice of a shared buffer that a step reads and rewrites gets copied.
-        """
+        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers,
+        so each device may own a different mix in the busiest device's total. On one
+        device each stack keeps its own (the key adds its first leaf's index), updated
+        in place: a slice of a shared buffer that a step rewrites gets copied."""
         mu = self.stack.config.mu_dtype
         key = (self.stack.dtype, self.stack.dtype if mu is None else np.dtype(mu))
         return key + (self.stack.members[0].index,) if self.slots.shape[0] == 1 else key
@@ -133,12 +125,9 @@ class StackPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Channel:
-    """One flat per-device buffer: each stack's slots back to back, device by device.
-
-    ``offsets[k, d]`` is where stack ``k``'s slots start in device ``d``'s share (only
-    meaningful for the stacks in the channel); each slot takes ``sizes[k]`` elements;
-    ``length`` is the longest share, the size every device allocates.
-    """
+    """One flat per-device buffer: each stack's slots back to back. Stack ``k``'s start
+    in device ``d``'s share is ``offsets[k, d]``, ``sizes[k]`` elements a slot; every
+    device allocates ``length``, the longest share."""
 
     stacks: tuple[int, ...]
     offsets: np.ndarray           # (num stacks, N)
@@ -163,28 +152,24 @@ def make_channel(stacks: Sequence[StackPlan], members: Sequence[int],
 # ------------------------------------------------------------------------ cost model
 
 
-def matrix_flops(stack: Stack) -> int:
+def matrix_flops(stack: Stack, method: str = "direct") -> int:
     """Cost of one matrix of ``stack``: its polar iteration and the elementwise math.
 
-    The polar iteration is counted in its direct form, the rule as written and what
-    accelerators run by default (bfloat16), so the owner plan is the same on every
-    backend. (CPU's float32 Gram-space steps make 4:1 matrices 1.3x cheaper.)
+    The owner plan counts the direct form, the rule as written and what accelerators run
+    by default (bfloat16), so it is the same on every backend (CPU's float32 Gram-space
+    steps make 4:1 matrices 1.3x cheaper).
     """
-    cfg = stack.config
-    return (polar_flops(stack.rows, stack.cols, cfg.ns_steps, "direct")
+    return (polar_flops(stack.rows, stack.cols, stack.config.ns_steps, method)
             + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
 
 
 def executed_flops(stack: Stack) -> int:
     """FLOPs one matrix of ``stack`` runs here: the polar form this backend's compute
-    dtype selects (``polar_method="auto"``), and the elementwise math."""
+    dtype selects (``polar_method="auto"``)."""
     cfg = stack.config
     dtype = cfg.compute_dtype or default_compute_dtype()
-    method = choose_method(stack.rows, stack.cols, cfg.ns_steps, cfg.polar_method, dtype)
-    return (polar_flops(stack.rows, stack.cols, cfg.ns_steps, method)
-            + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
-
-
+    return matrix_flops(stack, choose_method(stack.rows, stack.cols, cfg.ns_steps,
+                                             cfg.polar_method, dtype))
 
 
 # ------------------------------------------------------------------------ the plan
@@ -217,24 +202,27 @@ class OwnerPlan:
         return float(sum(sp.num_slots * executed_flops(sp.stack) for sp in self.stacks))
 
 
-def _channels(stacks: tuple[StackPlan, ...], kind: str, size_of) -> dict[Any, Channel]:
-    by_dtype: dict[Any, list[int]] = {}
+def _channels(stacks: tuple[StackPlan, ...], key_of, size_of) -> dict[Any, Channel]:
+    """One channel per ``key_of(stack plan)`` (None: in none)."""
+    by_key: dict[Any, list[int]] = {}
     for k, sp in enumerate(stacks):
-        if sp.transport == kind:
-            by_dtype.setdefault(sp.stack.dtype, []).append(k)
-    return {dt: make_channel(stacks, ks, size_of) for dt, ks in by_dtype.items()}
+        if key_of(sp) is not None:
+            by_key.setdefault(key_of(sp), []).append(k)
+    return {key: make_channel(stacks, ks, size_of) for key, ks in by_key.items()}
+
+
+def _dtype_if(kind: str):
+    return lambda sp: sp.stack.dtype if sp.transport == kind else None
 
 
 def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
                     routes: Sequence[Sequence[Route | None]],
                     holders: Sequence[np.ndarray | None], num_devices: int,
                     local_held: Sequence[list[list[tuple[int, int]]] | None]) -> OwnerPlan:
-    """Assigns owners across all stacks and lays out every channel. ``routes[k]`` gives
-    each member of stack ``k`` its route (``"exchange"`` stacks).
-
-    ``holders[k]`` pins a ``"local"`` stack's matrices to the devices that hold them;
-    ``local_held[k][d]`` lists device ``d``'s (member, batch index) pairs of that stack.
-    """
+    """Assigns owners across all stacks and lays out every channel. ``routes[k]``: each
+    member's route (``"exchange"`` stacks); ``holders[k]`` pins a ``"local"`` stack's
+    matrices to their devices, ``local_held[k][d]`` lists device ``d``'s (member, batch
+    index) pairs."""
     flops, state, fixed, where = [], [], [], []
     for k, (stack, hold) in enumerate(zip(stacks, holders)):
         f = matrix_flops(stack)
@@ -257,13 +245,15 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
         plans.append(StackPlan(stack, kind, tuple(routes[k]), per_stack[k], slots))
     plans = tuple(plans)
     local = {k: local_held[k] for k, sp in enumerate(plans) if sp.transport == LOCAL}
+    matrix_size = lambda sp: sp.stack.rows * sp.stack.cols  # noqa: E731
+    state_key = lambda sp: sp.state_key  # noqa: E731
     return OwnerPlan(
         num_devices, plans,
-        gather=_channels(plans, GATHER, lambda sp: sp.stack.rows * sp.stack.cols),
-        exchange=_channels(plans, EXCHANGE, lambda sp: sp.route.piece),
-        back=_channels(plans, EXCHANGE, lambda sp: sp.route.block_size),
-        momentum=_state_channels(plans, lambda sp: sp.stack.rows * sp.stack.cols),
-        second=_state_channels(plans, lambda sp: sp.second_size), local_slots=local)
+        gather=_channels(plans, _dtype_if(GATHER), matrix_size),
+        exchange=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.piece),
+        back=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.block_size),
+        momentum=_channels(plans, state_key, matrix_size),
+        second=_channels(plans, state_key, lambda sp: sp.second_size), local_slots=local)
 
 
 def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.ndarray:
@@ -272,25 +262,14 @@ def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.
     return slot_table([[int(start[i] + b) for i, b in held[d]] for d in range(n)])
 
 
-def _state_channels(stacks: tuple[StackPlan, ...], size_of) -> dict[Any, Channel]:
-    by_key: dict[Any, list[int]] = {}
-    for k, sp in enumerate(stacks):
-        by_key.setdefault(sp.state_key, []).append(k)
-    return {key: make_channel(stacks, ks, size_of) for key, ks in by_key.items()}
-
-
 # ------------------------------------------------------------------ a params tree's plan
 
 
 @dataclasses.dataclass(frozen=True)
 class AdamWLeaf:
-    """An AdamW parameter: where its moments live.
-
-    ``local``: the parameter arrives split over the mesh by the user; its moments are
-    split the same way and it is updated where it lies. Otherwise it is whole on every
-    device: split along ``axis`` over the owner axes (padded to ``padded``), or, under
-    the small-parameter threshold (``axis=None``), updated everywhere.
-    """
+    """An AdamW parameter: where its moments live. ``local``: split over the mesh by the
+    user, and updated where it lies; else whole on every device, its moments split along
+    ``axis`` over the owner axes (padded to ``padded``), or replicated (``axis=None``)."""
 
     index: int
     path: str
@@ -338,12 +317,8 @@ def _signature(leaf: MatrixLeaf, transport: str, route: Route | None) -> tuple:
 
 
 def check_real_float(dtype: Any, path: str, where: str) -> None:
-    """Raises ``TypeError`` naming ``path`` unless ``dtype`` is a real floating dtype.
-
-    The rule (Muon's polar factor, AdamW's moments) is defined for real matrices only:
-    complex params would lose the gradient's imaginary part, and integer ones have no
-    gradient at all (jax refuses them in ``update``, far from the cause).
-    """
+    """Raises naming ``path`` unless ``dtype`` is real floating: the rule is defined for
+    real params only, and jax would refuse integer ones in ``update``, far from the cause."""
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
@@ -360,11 +335,8 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                    dimension_numbers: Any, axes: Sequence[tuple[str, int]],
                    specs: Sequence[Spec] | None, threshold: int,
                    where: str = "muon_adamw") -> TreePlan:
-    """Everything static about ``params`` for ``axes`` (owner axes with their sizes).
-
-    ``specs`` gives each leaf's layout over the mesh (``None``: all whole on every
-    device, as in the ``shard_map`` form).
-    """
+    """Everything static about ``params`` for ``axes`` (owner axes with their sizes);
+    ``specs``: each leaf's layout over the mesh (``None``: all whole, as in ``shard_map``)."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = tuple(path_str(p) for p, _ in leaves_with_path)
     leaves = [x for _, x in leaves_with_path]

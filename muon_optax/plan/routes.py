@@ -61,10 +61,6 @@ class Route:
                           + np.asarray(self.replica_of), kind="stable")
 
 
-def axis_sizes(axes: Sequence[tuple[str, int]]) -> dict[str, int]:
-    return dict(axes)
-
-
 def device_coords(d: int, axes: Sequence[tuple[str, int]]) -> dict[str, int]:
     """Mesh coordinates of owner-axes linear index ``d`` (first axis major)."""
     coords = {}
@@ -89,7 +85,7 @@ def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
     axes and the matrix axes split, or batch axes split over only some owner axes); the
     engine then gathers such a leaf whole first.
     """
-    sizes = axis_sizes(axes)
+    sizes = dict(axes)
     n = math.prod(sizes.values())
     batch_split = [a for i in leaf.batch_axes for a in spec[i]]
     matrix_axes = leaf.matrix_axes
@@ -122,7 +118,7 @@ def local_holders(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
                   axes: Sequence[tuple[str, int]]) -> tuple[np.ndarray, list[list[int]]]:
     """For a ``"local"`` leaf: the device holding each matrix (batch index, row-major
     over the batch axes), and each device's matrices in its local row-major order."""
-    sizes = axis_sizes(axes)
+    sizes = dict(axes)
     n = math.prod(sizes.values())
     bshape = [leaf.shape[i] for i in leaf.batch_axes]
     grid = [math.prod(sizes[a] for a in spec[i]) for i in leaf.batch_axes]

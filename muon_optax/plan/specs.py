@@ -55,13 +55,10 @@ LEADING_AXIS_MAX_PADDING = 1 / 32
 
 
 def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -> int | None:
-    """The axis along which a large AdamW parameter is split, or None (replicated).
-
-    Parameters under ``threshold`` elements (and scalars and empty ones, whatever the
-    threshold) are all-reduced and updated everywhere.
-    Otherwise the leading axis, if padding it to a multiple of N adds at most
-    ``LEADING_AXIS_MAX_PADDING`` of its length; else the axis with the least padding.
-    """
+    """The axis a large AdamW parameter is split along: the leading one, if padding it
+    to a multiple of N adds at most ``LEADING_AXIS_MAX_PADDING`` of its length, else the
+    one with the least padding; None (all-reduced, updated everywhere) under
+    ``threshold`` elements, for scalars and empty ones."""
     if math.prod(shape) < threshold or not math.prod(shape):
         return None   # small, a scalar, or size 0 (nothing to split)
     padding = [-(-n // num_devices) * num_devices - n for n in shape]
@@ -146,15 +143,10 @@ def placement_spec(x: Any, path: str) -> Spec | None:
 
 def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding.Mesh,
                  known: Sequence[Spec] | None, where: str) -> list[Spec]:
-    """Each leaf's layout over ``mesh`` when no ``param_specs`` were given.
-
-    Read from the leaves (:func:`placement_spec`), else from ``known``: the layouts
-    recorded in the state when it was made (``init`` eagerly on placed params, as
-    ``nnx.Optimizer`` and most users call it), for ``update`` under ``jax.jit``, where on
-    ``AxisType.Auto`` axes a traced leaf's type does not say how it is split. Taking such
-    a leaf as replicated would make XLA gather it whole every step, so where the layout
-    was never seen this raises instead.
-    """
+    """Each leaf's layout over ``mesh`` when no ``param_specs`` were given: as the leaf
+    shows it, else ``known`` (recorded in the state by an eager ``init``). A traced leaf on
+    ``AxisType.Auto`` axes shows none; taken as replicated it would be gathered whole
+    every step, so where the layout was never seen this raises instead."""
     specs = [placement_spec(x, p) for x, p in zip(leaves, paths)]
     if all(s is not None for s in specs):
         return specs

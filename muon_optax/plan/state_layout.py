@@ -1,15 +1,12 @@
 """The layout a state was made for, kept in the static part of the state's structure.
 
-The Muon state lives in flat buffers whose rows belong to the matrices that each device
-owns (:mod:`muon_optax.plan.plan`). The same params laid out another way (replicated, then
-split along their layer axis; another device count) may give buffers of the same shapes
-whose rows belong to other matrices: a state made for one layout and used with another
-would update the wrong matrices without any shape error. So every state carries a
-:class:`StateLayout`, a pytree node without leaves whose value is part of the treedef:
-comparing it costs nothing at run time (``jax.jit`` compares treedefs when it traces),
-and ``update`` refuses a state whose layout is not the one its params now have (as far
-as it sees them: traced params on ``AxisType.Auto`` axes under ``jax.jit`` do not show
-theirs, and are taken as laid out as the state records).
+The same params laid out another way (replicated, then split along their layer axis;
+another device count) may give Muon buffers of the same shapes whose rows belong to
+other matrices: the state would update the wrong matrices without any shape error. So
+every state carries a :class:`StateLayout` in its treedef (free at run time: ``jax.jit``
+compares treedefs when it traces), and ``update`` refuses a state whose layout is not
+its params' (as far as it sees them: traced params on ``AxisType.Auto`` axes show none,
+and are taken as laid out as the state records).
 """
 
 from __future__ import annotations
@@ -26,16 +23,11 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """What a state's Muon buffers mean: the device count and a digest of every state
-    channel (which matrix, of which member and block, in which stored orientation, sits at
-    each offset of each device's share), that is of the owners and slots of the stacks.
-
-    A pytree node with no leaves (``jax.tree_util.register_static``): two states of
-    different layouts differ in structure, not in values. ``transports`` only describes
-    (how the matrices travel does not change what the buffers hold: a state made for
-    replicated params serves FSDP-split ones whenever the owners agree). ``specs``: the
-    ``mesh=`` form's params' layouts when the state was made (an eager ``init`` sees
-    them placed), read by ``update`` where a traced param's type does not show its
-    layout (``AxisType.Auto`` axes under ``jax.jit``).
+    channel (which matrix, member, block and stored orientation sits at each offset of
+    each device's share). ``transports`` only describes (a state made for replicated
+    params serves FSDP-split ones whenever the owners agree). ``specs``: the ``mesh=``
+    form's params' layouts as an eager ``init`` saw them, for ``update`` where a traced
+    param's type does not show its layout.
     """
 
     devices: int
@@ -49,12 +41,9 @@ class StateLayout:
 
 
 def layout_of(plan: Any) -> StateLayout:
-    """The :class:`StateLayout` of a :class:`muon_optax.plan.plan.TreePlan`.
-
-    Deterministic across processes (no Python ``hash``): every host of a multi-process
-    run computes the same digest. The AdamW moments are not in it: their global arrays
-    mean the same whatever their split (a different padding changes their shapes).
-    """
+    """The :class:`StateLayout` of a :class:`muon_optax.plan.plan.TreePlan`: the same
+    digest on every host (no Python ``hash``). Not of the AdamW moments: their global
+    arrays mean the same whatever their split."""
     owner = plan.owner
     parts: list[Any] = [owner.num_devices]
     for kind in (owner.momentum, owner.second):

@@ -1,6 +1,6 @@
-"""``tx.init``: the function, and the options behind it that ``state_specs``,
-``describe``, ``estimate`` and the portable state read; inside an optax wrapper it
-answers the wrapper's search for muon_optax's state (:mod:`muon_optax.state.wrapped`).
+"""``tx.init``, carrying the options that ``state_specs``, ``describe``, ``estimate`` and
+the portable state read; inside an optax wrapper it answers the wrapper's search for
+muon_optax's state (:mod:`muon_optax.state.wrapped`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,24 @@ from muon_optax.step.state import MuonAdamWState, state_partition_specs, state_s
 
 
 class Init:
-    """``tx.init``, carrying what :func:`muon_optax.state_specs`, ``describe``,
-    ``estimate`` and the portable state need to know about the transformation."""
+    """``tx.init`` with the transformation's options."""
 
     def __init__(self, fn: Callable, opts: Options):
         self._fn, self.options, self.configs = fn, opts, opts.configs
 
     def state_specs(self, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-        return state_specs_of(self.options, params, mesh)
+        """PartitionSpecs of the state of ``params`` on ``mesh`` (for ``shard_map``)."""
+        opts = self.options
+        if opts.axes is None:
+            raise ValueError("state_specs: this transformation was built without "
+                             "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
+        missing = [a for a in opts.axes if a not in mesh.shape]
+        if missing:
+            raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
+                             f"{missing[0]!r}.")
+        axes = tuple((a, mesh.shape[a]) for a in opts.axes)
+        return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
+                                     skipped=opts.skip_nonfinite)
 
     def __call__(self, params: Any) -> MuonAdamWState:
         rec = recorder()
@@ -40,10 +50,8 @@ class Init:
         if axes is None:
             mesh = dict(self.options.mesh.shape) if self.options.mesh is not None else {}
             axes = tuple((a, mesh.get(a, 1)) for a in self.options.axes or ())
-        plan = tree_plan(self.options, params, axes)
-        leaves = plan.treedef.flatten_up_to(params)
-        return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                            per_device=False, skipped=self.options.skip_nonfinite)
+        return global_state_shapes(tree_plan(self.options, params, axes), params,
+                                   self.options.skip_nonfinite)
 
     def plan(self, params: Any, num_devices: int | None = None, state: Any = None) -> TreePlan:
         """The static plan of ``params`` (for ``num_devices`` devices along one owner
@@ -61,6 +69,13 @@ class Init:
                      padded=sp.num_slots * plan.num_devices, counts=sp.counts.tolist(),
                      members=[m.path for m in sp.stack.members])
                 for sp in plan.owner.stacks]
+
+
+def global_state_shapes(plan: TreePlan, params: Any, skipped: bool = False) -> MuonAdamWState:
+    """The shape structs of the global state of ``params`` under ``plan``."""
+    leaves = plan.treedef.flatten_up_to(params)
+    return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
+                        per_device=False, skipped=skipped)
 
 
 def init_of(tx: Any, where: str, hint: str = "") -> Init:
@@ -94,16 +109,3 @@ def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str,
                          "your own shard_map and does not know the mesh).")
     return tuple((a, opts.mesh.shape[a]) for a in opts.axes)
 
-
-def state_specs_of(opts: Options, params: Any, mesh: jax.sharding.Mesh) -> MuonAdamWState:
-    """PartitionSpecs of the state of ``params`` on ``mesh`` (for ``shard_map`` users)."""
-    if opts.axes is None:
-        raise ValueError("state_specs: this transformation was built without "
-                         "axis_name; pass axis_name='data' (your mesh axis) to shard it.")
-    missing = [a for a in opts.axes if a not in mesh.shape]
-    if missing:
-        raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
-                         f"{missing[0]!r}.")
-    axes = tuple((a, mesh.shape[a]) for a in opts.axes)
-    return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
-                                 skipped=opts.skip_nonfinite)

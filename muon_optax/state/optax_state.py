@@ -8,23 +8,19 @@ optax keeps its Muon as ``optax.partition`` of two chains, so its state is
                                           <lr>))})
 
 with ``MaskedNode()`` where a leaf belongs to the other side, ``<decay>`` an
-``EmptyState()`` (a ``MaskedState`` of one when ``weight_decay_mask`` is given) and
-``<lr>`` an ``EmptyState()`` or, for a schedule, ``ScaleByScheduleState(count)``.
-The numbers are the same as :func:`muon_optax.export_state`'s portable form (optax's
-``MuonState.mu`` is the Muon momentum, leaf-shaped; Adam's moments are Adam's), so a
-conversion is the portable form with other names. What differs:
+``EmptyState()`` (``MaskedState`` of one with ``weight_decay_mask``) and ``<lr>`` an
+``EmptyState()`` or, for a schedule, ``ScaleByScheduleState(count)``. The numbers are
+:func:`muon_optax.export_state`'s portable form under other names. What differs:
 
-- optax counts steps in each of its parts (two, or up to four with schedules); they
-  advance together, and muon_optax keeps one. Counts that differ are refused.
-- ``MuonState.ns_coeffs`` holds the coefficients; they must be the ones ``tx`` runs.
+- optax counts steps in each part; muon_optax keeps one, so differing counts are refused.
+- ``MuonState.ns_coeffs`` must be the coefficients ``tx`` runs.
 - what optax's state does not show cannot be checked: ``adaptive``, ``preconditioning``,
   ``beta``, ``eps``, ``consistent_rms``, the decay and Adam numbers.
-- a ``skip_nonfinite`` state's count of skipped steps has no place in optax's: an
-  export drops it and an import starts it at 0.
+- a ``skip_nonfinite`` count of skipped steps has no place in optax's: an export drops
+  it, an import starts it at 0.
 
-Wrappers (``optax.chain``, ``optax.inject_hyperparams``, ...) keep the state of what they
-wrap as a subtree of their own; the conversion replaces that subtree and leaves the
-wrapper's part (its counters, its injected hyperparameters) as it is.
+In a wrapper (``optax.chain``, ``optax.inject_hyperparams``, ...) the conversion replaces
+the wrapped state's subtree and keeps the wrapper's own part as it is.
 """
 
 from __future__ import annotations
@@ -70,9 +66,8 @@ def _check_contrib(init: Any, where: str) -> None:
 
 
 def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any, Any]:
-    """``(tx, params)`` of the one contrib_muon inside ``tx`` (``tx`` itself, or in a
-    chain or wrapper), with the params it sees; and the shape structs of ``tx``'s whole
-    state (traced without calling any init, so a ZeRO-2 one outside shard_map too)."""
+    """``(tx, params)`` of the one contrib_muon inside ``tx`` (itself, or in a chain or
+    wrapper), and the shape structs of ``tx``'s whole state (no init is called)."""
     def shapes_of(init, seen):
         _check_contrib(init, where)
         return init.global_shapes(seen)
@@ -89,9 +84,8 @@ def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any, Any]:
 
 @functools.cache
 def _decay_schedule() -> type:
-    """The type of add_decayed_weights' schedule state (optax keeps no public name for
-    it). Taken on first use, not at import: building it runs jax, which must wait for a
-    multi-process run's jax.distributed.initialize."""
+    """The type of add_decayed_weights' schedule state (no public name), taken on first
+    use: building it runs jax, which must wait for jax.distributed.initialize."""
     return type(optax.add_decayed_weights(lambda count: 0.0).init(None))
 
 
@@ -154,12 +148,8 @@ def _check_structure(tx: Any, state: PartitionState, where: str) -> list[tuple[s
     return counts
 
 
-def _concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def _check_counts(counts: list[tuple[str, Any]], where: str) -> None:
-    values = {name: int(c) for name, c in counts if _concrete(c)}
+    values = {name: int(c) for name, c in counts if not isinstance(c, jax.core.Tracer)}
     if len(set(values.values())) > 1:
         raise ValueError(f"{where}: the step counts in optax's state differ ({values}); "
                          "muon_optax keeps one count for all parameters. Was the state "
@@ -167,7 +157,7 @@ def _check_counts(counts: list[tuple[str, Any]], where: str) -> None:
 
 
 def _check_coeffs(tx: Any, ns_coeffs: Any, where: str) -> None:
-    if not _concrete(ns_coeffs):
+    if isinstance(ns_coeffs, jax.core.Tracer):
         return
     have = np.asarray(ns_coeffs, np.float32)
     want = _coeff_rows(tx)
@@ -218,24 +208,19 @@ def _check_dtypes(want: dict, portable: dict, params: Any, paths: list[str],
                                  "optax run's mu_dtype (None keeps the parameter's dtype).")
 
 
-def _portable_shapes(tx: Any, params: Any) -> dict:
-    """The shape structs of ``tx``'s portable state for ``params``."""
-    from muon_optax.state.portable import export_state
-
-    opts = tx.init.options
-    shapes = tx.init.global_shapes(params)
-    n = 1 if opts.axes is not None and opts.mesh is None else None
-    return jax.eval_shape(lambda s: export_state(tx, s, params, num_devices=n), shapes)
-
-
 def to_portable(tx: Any, state: PartitionState, params: Any, where: str) -> dict:
     """optax's state of ``tx``'s arguments as :func:`muon_optax.export_state`'s form."""
+    from muon_optax.state.portable import export_state
+
     counts = _check_structure(tx, state, where)
     muon_state = state.inner_states["muon"].inner_state[0]
     adam_state = state.inner_states["adam"].inner_state[0]
     _check_counts(counts, where)
     _check_coeffs(tx, muon_state.ns_coeffs, where)
-    want = _portable_shapes(tx, params)
+    opts = tx.init.options
+    n = 1 if opts.axes is not None and opts.mesh is None else None
+    want = jax.eval_shape(lambda s: export_state(tx, s, params, num_devices=n),
+                          tx.init.global_shapes(params))
     treedef = jax.tree.structure(params)
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     muon_index = {i for i, x in enumerate(treedef.flatten_up_to(want["momentum"]))

@@ -1,20 +1,17 @@
 """Optimizer state that moves between device counts and sharding modes.
 
-The engine keeps the Muon state in flat per-device buffers whose layout depends on the
-device count, the owner plan and the params' layouts (:mod:`muon_optax.plan.plan`), and may
-pad large AdamW moments to a multiple of the device count. The portable form is the
+The Muon state's flat per-device buffers depend on the device count, the owner plan and
+the params' layouts, and large AdamW moments may be padded. The portable form is the
 same numbers per parameter, in the parameter's own layout:
 
     {"count": int32 scalar,
      "mu": AdamW first moments  (params' structure; None at Muon leaves),
      "nu": AdamW second moments (likewise),
      "momentum": Muon momentum  (params' structure, leaf-shaped; None at AdamW leaves),
-     "second_moment": NorMuon second moment (leaf-shaped with the averaged side's axes
-                       of length 1: one value per output feature if out >= in, else per
-                       input feature; None at AdamW leaves; for a leaf cut into blocks
-                       (MuonDimensionNumbers' output_blocks/reduction_blocks) shaped as
-                       its block view, one row or column per block, so it imports only
-                       into a transformation given the same blocks),
+     "second_moment": NorMuon second moment (leaf-shaped, the averaged side's axes of
+                       length 1; None at AdamW leaves; a leaf cut into blocks is shaped
+                       as its block view, one row or column per block, so it imports
+                       only into a transformation given the same blocks),
      "skipped": int32 scalar, steps skipped for a non-finite gradient (only from a
                 transformation built with skip_nonfinite=True)}
 
@@ -38,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from muon_optax.params.layout import MatrixLeaf
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.plan.specs import to_partition_spec, typed_spec
-from muon_optax.state.init import Init, init_of
+from muon_optax.state.init import Init, global_state_shapes, init_of
 from muon_optax.state.optax_state import (
     export_optax_state,
     holds_optax_muon_state,
@@ -52,7 +49,6 @@ from muon_optax.step.state import (
     MuonBuffers,
     check_state,
     state_partition_specs,
-    state_shapes,
 )
 
 
@@ -100,20 +96,22 @@ def _explicit_mesh(tx: Any, trees: Any) -> Any:
     return None
 
 
-def _like_adamw(plan: TreePlan, specs: Any) -> Any:
-    flat = [None] * len(plan.paths)
-    leaf_specs = plan.treedef.flatten_up_to(specs)
-    for a in plan.adamw:
-        flat[a.index] = leaf_specs[a.index] if a.local else P()
-    return plan.treedef.unflatten(flat)
+def _portable_specs(plan: TreePlan, skipped: bool) -> dict[str, Any]:
+    """The portable form's layouts: each moment like its param (an AdamW moment split by
+    the owner plan, and NorMuon's statistics, replicated); None where it has no leaf."""
+    def tree(leaves: Any, spec_of: Any) -> Any:
+        flat = [None] * len(plan.paths)
+        for x in leaves:
+            flat[x.index] = spec_of(x)
+        return plan.treedef.unflatten(flat)
 
-
-def _like_muon(plan: TreePlan, specs: Any) -> Any:
-    flat = [None] * len(plan.paths)
-    leaf_specs = None if specs is None else plan.treedef.flatten_up_to(specs)
-    for m in plan.muon:
-        flat[m.index] = P() if leaf_specs is None else leaf_specs[m.index]
-    return plan.treedef.unflatten(flat)
+    like = lambda x: to_partition_spec(plan.specs[x.index])  # noqa: E731
+    adamw = tree(plan.adamw, lambda a: like(a) if a.local else P())
+    out = {"count": P(), "mu": adamw, "nu": adamw, "momentum": tree(plan.muon, like),
+           "second_moment": tree(plan.muon, lambda m: P())}
+    if skipped:
+        out["skipped"] = P()
+    return out
 
 
 def _second_shape(m: MatrixLeaf, sp: StackPlan) -> tuple[int, ...]:
@@ -167,22 +165,18 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     if as_optax:
         return export_optax_state(tx, state, params, num_devices=num_devices)
     tx, state, params = _inside(tx, state, params)
-    if num_devices is None and getattr(tx.init, "options", None) is not None \
-            and tx.init.options.mesh is None and tx.init.options.axes is not None:
+    opts = tx.init.options
+    if num_devices is None and opts.mesh is None and opts.axes is not None:
         num_devices = _state_devices(tx, state, params)
     plan = _plan(tx, params, num_devices, "export_state", state)
-    _check(plan, state, params, "export_state", _skips(tx))
+    _check(plan, state, params, "export_state", opts.skip_nonfinite)
     mesh = _explicit_mesh(tx, (state, params))
     if mesh is None:
         return _export(plan, state, params)
     # Explicit mesh axes: slicing the sharded buffers needs XLA's freedom (auto axes);
     # the per-parameter arrays come out laid out like their params.
-    specs = plan.treedef.unflatten([to_partition_spec(sp) for sp in plan.specs])
-    out = {"count": P(), "mu": _like_adamw(plan, specs), "nu": _like_adamw(plan, specs),
-           "momentum": _like_muon(plan, specs), "second_moment": _like_muon(plan, None)}
-    if state.skipped is not None:
-        out["skipped"] = P()
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), out,
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                             _portable_specs(plan, state.skipped is not None),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.auto_axes(lambda s: _export(plan, s, params),
                                   out_sharding=shardings)(state)
@@ -190,9 +184,9 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
 
 def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
     """The device count a ZeRO-2 state was made for: the owner axes' size in the mesh its
-    arrays lie on; else the count whose plan gives its Muon buffers their sizes; else (a
-    state of AdamW leaves under jit) one device if that fits (the per-parameter form is
-    then the same for any count), or a clear error."""
+    arrays lie on; else the count that gives its Muon buffers their sizes; else (AdamW
+    leaves only, traced) one device if that fits (their portable form is then the same
+    for any count)."""
     axes = tx.init.options.axes
     for x in jax.tree.leaves(state):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
@@ -202,7 +196,8 @@ def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
     if state.muon:
         return _devices_of_buffers(tx, state, params)
     try:
-        _check(_plan(tx, params, 1, "export_state"), state, params, "export_state", _skips(tx))
+        _check(_plan(tx, params, 1, "export_state"), state, params, "export_state",
+               tx.init.options.skip_nonfinite)
     except ValueError as e:
         raise ValueError("export_state: this state's device count cannot be read from it "
                          "(no Muon leaves, traced arrays): pass num_devices=.") from e
@@ -249,15 +244,8 @@ def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any
     return out
 
 
-def _skips(tx: Any) -> bool:
-    return tx.init.options.skip_nonfinite
-
-
 def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -> None:
-    leaves = plan.treedef.flatten_up_to(params)
-    check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                           [x.dtype for x in leaves], per_device=False,
-                                           skipped=skipped), where)
+    check_state(plan, state, global_state_shapes(plan, params, skipped), where)
 
 
 def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
@@ -297,12 +285,10 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
 
     Place the result with :func:`muon_optax.state_specs` (or let ``jax.jit`` place it).
     ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the
-    device count to make the state for (required there).
-
-    ``portable`` may also be the state of ``optax.contrib.muon`` (or of a chain or
-    wrapper holding it) for ``tx`` a :func:`muon_optax.contrib_muon` with the same
-    arguments, wrapped the same way: the result is ``tx``'s state, to continue the run
-    (see :mod:`muon_optax.state.optax_state`).
+    device count to make the state for (required there). ``portable`` may also be
+    ``optax.contrib.muon``'s state (alone or wrapped) for ``tx`` a
+    :func:`muon_optax.contrib_muon` with the same arguments, wrapped the same way
+    (:mod:`muon_optax.state.optax_state`).
     """
     if holds_optax_muon_state(portable):
         return import_optax_state(tx, portable, params, num_devices=num_devices)
@@ -313,7 +299,7 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     target = tx.init.options.mesh
     portable = jax.tree.map(lambda x: np.asarray(x) if _elsewhere(x, target) else x, portable)
     mesh = _explicit_mesh(tx, (portable, params))
-    skipped = _skips(tx)
+    skipped = tx.init.options.skip_nonfinite
     if mesh is None:
         state = _import(plan, portable, params, skipped)
         if target is None or any(isinstance(x, jax.core.Tracer)
@@ -340,12 +326,9 @@ def _elsewhere(x: Any, mesh: jax.sharding.Mesh | None) -> bool:
 
 def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
             skipped: bool) -> MuonAdamWState:
-    """``skipped``: the state counts skipped steps (from the portable form, else 0)."""
-    leaves = plan.treedef.flatten_up_to(params)
-    want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                        per_device=False)
-    mu = [optax.MaskedNode()] * len(leaves)
-    nu = [optax.MaskedNode()] * len(leaves)
+    want = global_state_shapes(plan, params)
+    mu = [optax.MaskedNode()] * len(plan.paths)
+    nu = [optax.MaskedNode()] * len(plan.paths)
     given_mu = plan.treedef.flatten_up_to(portable["mu"])
     given_nu = plan.treedef.flatten_up_to(portable["nu"])
     want_mu = plan.treedef.flatten_up_to(want.mu)

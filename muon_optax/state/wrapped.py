@@ -1,12 +1,9 @@
 """Finding muon_optax's state inside optax wrappers and chains.
 
-``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``apply_if_finite``,
-``masked``/``partition`` and the like keep the state of the transformations they wrap
-as it is, somewhere in their own state, and expose nothing else. So the wrapper's
-``init`` is traced abstractly (``jax.eval_shape``) while muon_optax's ``init`` answers
-with placeholder arrays it remembers; where those arrays land in the wrapper's state is
-where muon_optax's state is. Everything else in a wrapper's state (counters,
-hyperparameters, accumulators) is the wrapper's own.
+``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``masked`` and the like keep
+the state they wrap somewhere in their own and expose nothing else. So the wrapper's
+``init`` is traced abstractly while muon_optax's ``init`` answers with placeholder arrays
+it remembers: where those land in the wrapper's state is where muon_optax's state is.
 """
 
 from __future__ import annotations
@@ -80,17 +77,14 @@ def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
                 start = where.get(id(leaves[0]))
                 if start is not None and all(where.get(id(x)) == start + i
                                              for i, x in enumerate(leaves)):
-                    found.append(Found(init, jax.tree.map(_struct, seen), treedef, start,
-                                       len(leaves)))
+                    structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                        x.shape, x.dtype, sharding=getattr(x, "sharding", None)), seen)
+                    found.append(Found(init, structs, treedef, start, len(leaves)))
             return out
         shapes = jax.eval_shape(traced, params)
     finally:
         _RECORDER.reset(token)
     return found, shapes
-
-
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -8,7 +8,6 @@ from typing import Any, TextIO
 import optax
 
 from muon_optax.params.variables import unbox, unboxed_structure
-from muon_optax.rule.hparams import AdamWConfig
 from muon_optax.state.init import init_of
 
 
@@ -18,16 +17,15 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
     """Each leaf's path, shape, group, how Muon sees it and which stack it joins.
 
     Prints a table to ``file`` (``None``: print nothing) and returns its rows, one dict
-    per leaf: ``path``, ``shape``, ``group``, ``why`` (why it is in that group: the rule
-    of :func:`muon_optax.label_by_path` that placed it, or ``"param_labels"`` for labels
-    given otherwise), ``kind`` (``"adamw"``/``"muon"``), and for
-    Muon leaves ``matrices`` (how many: blocks count one each), ``matrix`` (``(out,
-    in)``, of a block), ``blocks`` (``(output_blocks, reduction_blocks)``), ``stored`` (the
-    stack's ``(R, C)`` layout, ``"transposed"`` when the leaf is stored as its
-    transpose), ``stack`` (its index), ``transport`` and ``owners`` (devices owning its
-    matrices). ``num_devices``: plan for that many devices along the owner axis.
-    Check a labelling before training, for example that no bias or norm scale of a
-    scanned Flax model went to Muon::
+    per leaf: ``path``, ``shape``, ``group``, ``why`` (the rule of
+    :func:`muon_optax.label_by_path` that placed it, or ``"param_labels"``), ``kind``
+    (``"adamw"``/``"muon"``); for AdamW leaves ``split``; for Muon leaves ``matrices``
+    (blocks count one each), ``matrix`` (``(out, in)`` of a block), ``blocks``
+    (``(output_blocks, reduction_blocks)``), ``stored`` (the stack's ``(R, C)``,
+    ``"transposed"`` when stored as the leaf's transpose), ``stack`` (its index),
+    ``transport`` and ``owners`` (devices owning its matrices). ``num_devices``: plan for
+    that many devices along the owner axis. Check a labelling before training (no bias or
+    norm scale of a scanned Flax model in Muon)::
 
         muon_optax.describe(tx, params)
     """
@@ -51,7 +49,7 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
                 stored=(sp.stack.rows, sp.stack.cols, "transposed" if m.transposed else ""),
                 stack=k, transport=sp.transport, owners=owners)
     if file is not None:
-        print(_table(rows, plan.num_devices, init.configs), file=file)
+        print(_table(rows, plan.num_devices), file=file)
     return rows
 
 
@@ -60,13 +58,12 @@ def _reasons(opts: Any, params: Any) -> list[str]:
     labels = opts.param_labels
     reasons = getattr(labels, "reasons", None) or getattr(
         getattr(labels, "__self__", None), "reasons", None)
-    n = len(unboxed_structure(params).flatten_up_to(unbox(params)))
     if reasons is None:
-        return ["param_labels"] * n
+        return ["param_labels"] * unboxed_structure(params).num_leaves
     return unboxed_structure(params).flatten_up_to(unbox(reasons(params)))
 
 
-def _table(rows: list[dict[str, Any]], n: int, configs: dict[str, Any]) -> str:
+def _table(rows: list[dict[str, Any]], n: int) -> str:
     header = ["path", "shape", "group", "why", "Muon: matrices (out x in)", "stack"]
     if n > 1:
         header.append(f"owners of {n} devices")
@@ -81,8 +78,7 @@ def _table(rows: list[dict[str, Any]], n: int, configs: dict[str, Any]) -> str:
             owners = _ranges(r["owners"]) + (f" [{r['transport']}]" if n > 1 else "")
         else:
             seen, stack, owners = "AdamW", "-", r["split"]
-        kind = "adamw" if isinstance(configs[r["group"]], AdamWConfig) else "muon"
-        line = [r["path"], "x".join(map(str, r["shape"])) or "()", f"{r['group']} ({kind})",
+        line = [r["path"], "x".join(map(str, r["shape"])) or "()", f"{r['group']} ({r['kind']})",
                 r["why"], seen, stack] + ([owners] if n > 1 else [])
         lines.append(line)
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
