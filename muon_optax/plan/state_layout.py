@@ -59,7 +59,7 @@ def layout_of(plan: Any) -> StateLayout:
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
     counts = collections.Counter(sp.transport for sp in owner.stacks)
     transports = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-    return StateLayout(owner.num_devices, digest, transports, getattr(plan, "given", None))
+    return StateLayout(owner.num_devices, digest, transports, plan.given)
 
 
 def layout_error(name: str, got: Any, want: StateLayout) -> ValueError:

@@ -62,12 +62,12 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
 
 def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype):
     """:func:`muon_optax.rule.muon.muon_step` on one slot a device may not own (the branch of
-    a ``lax.cond``): ``<U, O>`` zeros without ``adaptive``, as :func:`_skipped` gives."""
+    a ``lax.cond``): ``<U, O>`` zeros without ``leaf_scaled``, as :func:`_skipped` gives."""
     o, state, d = cfg.step(g, state, hp, count, dtype)
     return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
 
-def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
+def _skipped(g, state: MuonStackState, dtype, leaf_scaled: bool):
     """An unowned slot: a zero direction (and ``<U, O>``), varying like computed ones,
     the state as is."""
     axes = tuple(sorted(varying_axes(g) | varying_axes(state.momentum)))
@@ -76,7 +76,7 @@ def _skipped(g, state: MuonStackState, dtype, adaptive: bool):
         return jax.lax.pcast(x, axes, to="varying") if axes else x
 
     d = jnp.zeros((g.shape[0], 1, 1))
-    return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if adaptive else d
+    return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if leaf_scaled else d
 
 
 def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hp, comm,
