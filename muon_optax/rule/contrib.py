@@ -48,6 +48,8 @@ class ContribConfig:
     row_equilibration: ClassVar[bool] = False
     normuon: ClassVar[bool] = False
     polar_method: ClassVar[str] = "direct"
+    # the values a schedule or inject_hyperparams may set; every other field is static
+    _VALUES: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay")
 
     @classmethod
     def make(cls, lr, momentum, weight_decay, coeffs, *, preconditioning="frobenius",
@@ -70,13 +72,12 @@ class ContribConfig:
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
         """The hyperparameters at step ``count`` (steps taken before this one)."""
-        return {k: hparams.value_at(getattr(self, k), count)
-                for k in ("lr", "momentum", "weight_decay")}
+        return {k: hparams.value_at(getattr(self, k), count) for k in self._VALUES}
 
     def static_key(self) -> tuple:
         """What must agree for two matrices to share one batched program."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)[3:]) + (
-            self.complement(),)
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self)
+                     if f.name not in self._VALUES) + (self.complement(),)
 
     def complement(self) -> float | None:
         """``1 - mu`` from the exact (Python) constant for ``adam``; None otherwise."""
