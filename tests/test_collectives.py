@@ -125,10 +125,12 @@ def test_directions_gathered_in_pieces_equal_the_whole_gather(piece):
 # ------------------------------------------------------------------ the exchange transport
 
 
-def _fsdp_step(monkeypatch, width):
+def _fsdp_step(monkeypatch, width, barriers=False):
     """Two FSDP (mesh=) steps on 4 devices and the compiled step's text; ``width``: the
     exchange transport forced into column pieces of that many elements (as on TPU), or
-    None for the form XLA:CPU lowers."""
+    None for the form XLA:CPU lowers; ``barriers``: the pieces ordered by the TPU's
+    optimization barriers, which XLA:CPU drops (the values are what is compared then,
+    not the schedule)."""
 
     import muon_optax
     from muon_optax.rule import platform
@@ -140,7 +142,7 @@ def _fsdp_step(monkeypatch, width):
         import sharded_problem as sp
 
     if width is not None:   # every transport in its TPU form (FSDP's gather stacks too)
-        for site in ("exchange", "gather"):
+        for site in ("exchange", "gather") + (("order",) if barriers else ()):
             monkeypatch.setitem(platform.FORCED, site, "tpu")
         monkeypatch.setattr(exchange, "exchange_piece", lambda owner: width)
     n = 4
@@ -156,16 +158,20 @@ def _fsdp_step(monkeypatch, width):
 
 @pytest.mark.parametrize("width", [7, 10**6])
 def test_exchange_in_pieces_equals_the_whole_exchange(monkeypatch, width):
-    """FSDP's exchange transport in column pieces (TPU) or at once (XLA:CPU): the same
-    steps, bit for bit, with matrices cut across pieces; the CPU form sends one
-    all-to-all each way, the pieces one per piece."""
+    """FSDP's exchange transport in column pieces (TPU, ordered by arithmetic or by the
+    TPU's barriers) or at once (XLA:CPU): the same steps, bit for bit, with matrices cut
+    across pieces; the CPU form sends one all-to-all each way, the pieces one per piece."""
     whole, hlo, owner = _fsdp_step(monkeypatch, None)
     assert len(owner.exchange) == 1 and any(sp.transport == "exchange" for sp in owner.stacks)
     assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == 2
     with monkeypatch.context() as m:
         pieces, hlo, _ = _fsdp_step(m, width)
-    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(pieces)):
+    with monkeypatch.context() as m:
+        ordered, _, _ = _fsdp_step(m, width, barriers=True)
+    for a, b, c in zip(jax.tree.leaves(whole), jax.tree.leaves(pieces),
+                       jax.tree.leaves(ordered)):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
     (ch,), (back,) = owner.exchange.values(), owner.back.values()
     assert len(re.findall(r"all-to-all(?:-start)?\(", hlo)) == (
         -(-ch.length // width) + -(-back.length // width))

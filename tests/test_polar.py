@@ -9,7 +9,7 @@ import pytest
 
 from muon_optax import orthogonalize
 from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, QUINTIC_COEFFS, ns_coefficients
-from muon_optax.rule.order import after
+from muon_optax.rule.order import after, wait_for
 from muon_optax.rule.polar import (
     choose_method,
     polar_express,
@@ -82,6 +82,27 @@ def test_after_returns_x_bit_for_bit(prev):
     x = jnp.array([0.0, -0.0, 1.5, -2.5, np.inf, -np.inf, np.nan, 1e-30], jnp.float32)
     got = np.asarray(after(x, jnp.full((2, 3), prev, jnp.float32)))
     np.testing.assert_array_equal(got.view(np.uint32), np.asarray(x).view(np.uint32))
+
+
+@pytest.mark.parametrize("form", [None, "tpu"])
+def test_wait_for_returns_its_inputs_bit_for_bit(form, monkeypatch):
+    """Both forms of :func:`wait_for`: the arithmetic (XLA:CPU's) and the TPU's
+    optimization barrier, which keeps subnormals too."""
+    from muon_optax.rule import platform
+
+    if form:
+        monkeypatch.setitem(platform.FORCED, "order", form)
+    x = jnp.array([0.0, -0.0, 1.5, -2.5, np.inf, -np.inf, np.nan, 1e-30]
+                  + ([1e-40] if form else []), jnp.float32)
+    xs = {"f32": x, "bf16": x.astype(jnp.bfloat16)}
+    fn = jax.jit(lambda xs, a, b: wait_for(xs, a, None, b))
+    args = (xs, jnp.full((2, 3), np.nan, jnp.float32), jnp.ones(4, jnp.bfloat16))
+    got = fn(*args)
+    for key, view in (("f32", np.uint32), ("bf16", np.uint16)):
+        np.testing.assert_array_equal(np.asarray(got[key]).view(view),
+                                      np.asarray(xs[key]).view(view))
+    assert ("stablehlo.optimization_barrier" in fn.lower(*args).as_text()) == bool(form)
+    assert wait_for(xs, None) is xs
 
 
 def exact_any(x):

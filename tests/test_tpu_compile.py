@@ -143,6 +143,18 @@ def test_zero2_reduce_scatters_by_all_to_all_and_gathers_the_params(chips):
     assert_polar_loop(hlo)
 
 
+@needs_libtpu
+def test_exchange_pieces_wait_behind_barriers_on_tpu(chips):
+    """As lowered for the TPU, the exchange's pieces are packed from gradients held back
+    by an optimization barrier (``order.wait_for``): the TPU compiler keeps it, and
+    builds no kernel for it as it does for the arithmetic XLA:CPU needs."""
+    from benchmarks import common, tpu_compile
+
+    params = common.nanochat_params(WIDTH, 1, VOCAB, abstract=True)
+    fn, args, _, _ = tpu_compile.build("fsdp", params, chips)
+    assert "stablehlo.optimization_barrier" in fn.lower(*args).as_text()
+
+
 def all_to_all_sizes(hlo: str) -> list[int]:
     """The element counts of the HLO's all-to-all results."""
     return [math.prod(int(d) for d in dims.split(",")) for dims in
@@ -276,3 +288,16 @@ def test_aot_refuses_a_step_too_big_for_the_chip_in_one_line(capsys, tmp_path, c
         "train.py: error: --aot v5e:1x1: the train step does not fit a chip ("), err
     assert "HBM" in err[0] and err[0].endswith(
         "lower --batch-size, --seq-len or --depth, or use --dtype bfloat16"), err
+
+
+@needs_libtpu
+def test_tpu_kernels_names_the_lines_the_compiler_spends_on(capsys):
+    """``benchmarks/tpu_kernels.py`` on a tiny FSDP step: libtpu's log read in a child
+    process, every kernel's time summed by a muon_optax source line."""
+    from benchmarks import tpu_kernels
+
+    kernels, stages, hlo = tpu_kernels.compile_logged("fsdp", f"d{WIDTH}x1", "v5p:8", VOCAB, 300)
+    assert len(kernels) > 10 and stages["BACKEND_PASSES"] > 0, stages
+    rows = tpu_kernels.by_source(kernels, tpu_kernels.source_lines(hlo))
+    assert sum(r[1] for r in rows) == len(kernels)
+    assert any(r[0].startswith(("rule/", "step/")) for r in rows[:5]), rows[:5]

@@ -3,13 +3,17 @@
 The engine runs stacks one after another and writes state once its old value is read.
 XLA's scheduler otherwise interleaves independent computations step by step (two stacks'
 polar iterations, say), so that both sets of temporaries are alive at once, or copies a
-state buffer that a later read still needs. :func:`after` makes the dependency explicit.
+state buffer that a later read still needs. :func:`after` makes the dependency explicit;
+:func:`wait_for` holds back a computation's inputs instead, by a barrier where the
+compiler keeps one (TPU).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from muon_optax.rule.platform import per_platform
 
 
 def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
@@ -33,3 +37,28 @@ def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
     if x.dtype == jnp.float32:
         return x + zero
     return (x.astype(jnp.float32) + zero).astype(x.dtype)
+
+
+def wait_for(xs, *prevs):
+    """``xs`` (a pytree) unchanged, but readable only once every one of ``prevs`` (None:
+    none) is computed: on TPU an ``optimization_barrier`` over them all, elsewhere
+    :func:`after` on each leaf.
+
+    Give it the inputs of the computation to hold back, not its result: what is computed
+    from the barrier's outputs starts after ``prevs``, and the barrier itself makes no
+    array. On TPU each :func:`after` is a pass over its ``x`` that the compiler builds a
+    kernel for; XLA:CPU drops barriers, so there the arithmetic stays.
+    """
+    prevs = tuple(p for p in prevs if p is not None)
+    if not prevs:
+        return xs
+
+    def barrier(xs, *prevs):
+        return jax.lax.optimization_barrier((xs, prevs))[0]
+
+    def arithmetic(xs, *prevs):
+        for prev in prevs:
+            xs = jax.tree.map(lambda x, prev=prev: after(x, prev), xs)
+        return xs
+
+    return per_platform("order", xs, *prevs, tpu=barrier, default=arithmetic)

@@ -21,7 +21,7 @@ import numpy as np
 
 from muon_optax.plan.plan import OwnerPlan, StackPlan
 from muon_optax.plan.routes import EXCHANGE
-from muon_optax.rule.order import after
+from muon_optax.rule.order import wait_for
 from muon_optax.rule.platform import per_platform
 from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
 from muon_optax.step.rows import (
@@ -101,14 +101,13 @@ class ExchangeSource:
         self.owner, self.comm = owner, comm
         self.channel = owner.exchange[dtype]
         n, length = comm.size, self.channel.length
-        parts: list[list[jax.Array]] = [[] for _ in range(n)]
-        for k in self.channel.stacks:
-            sp = self.owner.stacks[k]
-            owned_parts(sp, self._pieces(sp, leaves), parts)
         self.width = max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + self.width))
                        for c0 in range(0, max(length, 1), self.width)]
-        flat, unflatten = flat_rows(parts)
+        # The gradients this channel sends, and each device's parts of them.
+        self.members = [m.index for k in self.channel.stacks
+                        for m in self.owner.stacks[k].stack.members]
+        flat, unflatten = flat_rows(self._parts(leaves))
 
         def whole(*flat):
             got = comm.exchange(jnp.stack(device_rows(unflatten(flat), length, dtype)))
@@ -118,24 +117,35 @@ class ExchangeSource:
             del flat
             return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
 
-        self.dtype, self.flat, self.unflatten = dtype, flat, unflatten
+        self.dtype, self.leaves = dtype, [leaves[i] for i in self.members]
         if comm.size == 1:
             self.received = whole(*flat)
         else:
             self.received = per_platform("exchange", *flat, tpu=none_yet, default=whole)
 
-    def _exchange(self, first: int, last: int, flat, got: dict, prev) -> dict:
+    def _parts(self, leaves) -> list[list[jax.Array]]:
+        """Per device, the parts of ``leaves`` (indexed as the params: a list, or a dict
+        of this channel's) it is sent."""
+        parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            owned_parts(sp, self._pieces(sp, leaves), parts)
+        return parts
+
+    def _exchange(self, first: int, last: int, leaves, got: dict, prev) -> dict:
         """Pieces ``first .. last-1`` not yet in ``got``, each exchanged (TPU): packed
-        once ``prev`` (the previous stack's direction) and the previous piece are in, so
-        that a piece is received just before the load that first reads it, not all of
-        them before the first stack runs. The same bytes travel."""
-        rows, got = self.unflatten(flat), dict(got)
+        from the gradients once ``prev`` (the previous stack's direction) and the
+        previous piece are in, so that a piece is received just before the load that
+        first reads it, not all of them before the first stack runs. The same bytes
+        travel."""
+        got = dict(got)
         for p in range(first, last):
             if p in got:
                 continue
             c0, c1 = self.bounds[p]
+            rows = self._parts(dict(zip(self.members, wait_for(leaves, got.get(p - 1), prev))))
             packed = jnp.stack([row_slice(r, c0, c1, self.dtype) for r in rows])
-            got[p] = self.comm.exchange(after(after(packed, got.get(p - 1)), prev))
+            got[p] = self.comm.exchange(packed)
         return got
 
     @staticmethod
@@ -181,21 +191,21 @@ class ExchangeSource:
         else:
             new = [p for p in range(p0, p1) if p not in got]
             have = [p for p in sorted(got) if p0 - 1 <= p < p1]
-            nf, nh = len(self.flat), len(have)
+            nf, nh = len(self.leaves), len(have)
 
             def tpu(*args):
-                flat, held = args[:nf], args[nf:nf + nh]
+                leaves, held = args[:nf], args[nf:nf + nh]
                 wait = args[-1] if prev is not None else None
-                got = self._exchange(p0, p1, flat, dict(zip(have, held)), wait)
-                raw = columns(p0, p1)([None] * p0 + [got[p] for p in range(p0, p1)])
-                return (after(raw, wait), *[got[p] for p in new])
+                got = self._exchange(p0, p1, leaves, dict(zip(have, held)), wait)
+                pieces = wait_for([got[p] for p in range(p0, p1)], wait)
+                return (columns(p0, p1)([None] * p0 + pieces), *[got[p] for p in new])
 
             def default(*args):
                 del args
                 return (whole(self.received), *[self.received[p] for p in new])
 
             wait = prev if prev is not None else jnp.zeros((), self.dtype)
-            out = per_platform("exchange", *self.flat, *[got[p] for p in have], wait,
+            out = per_platform("exchange", *self.leaves, *[got[p] for p in have], wait,
                                      tpu=tpu, default=default)
             raw, got = out[0], {**got, **dict(zip(new, out[1:]))}
         raw = raw.reshape(self.comm.size, n, piece)
