@@ -196,3 +196,50 @@ def test_tpu_compile_table_joins_saved_runs(tmp_path, capsys):
     cells = [c.strip() for c in line.split("|")]
     assert cells[4:6] == ["6.0 (6.0)", "1.50"] and cells[7:9] == ["3.0", "0.50"]
     assert cells[10:12] == ["5.0", "0.62"]     # peak: args + temp + out (none aliased)
+
+
+def test_tpu_kernels_reads_the_log_and_the_sources():
+    """``tpu_kernels``: libtpu's interleaved per-thread log read into kernels and stages,
+    and kernels summed by the source line the optimized HLO's stack frames give."""
+    from benchmarks import tpu_kernels
+
+    log = "\n".join([
+        "I1205 03:38:56.787478   23729 deepsea_compiler_backend.cc:4379] [fusion.1] LLO "
+        "optimizing 2,000 instructions",
+        "I1205 03:38:56.787553   23730 deepsea_compiler_backend.cc:4379] [copy.2] LLO "
+        "optimizing 50 instructions",
+        "I1205 03:38:56.791677   23729 deepsea_compiler_backend.cc:3967] XLA::TPU LLO "
+        "dependency graph-based optimizations and scheduling time: 1.5 ms (1500 us)",
+        "I1205 03:38:56.792221   23730 deepsea_compiler_backend.cc:3967] XLA::TPU LLO "
+        "dependency graph-based optimizations and scheduling time: 408 us (408 us)",
+        "I1205 03:38:56.793320   23729 deepsea_compiler_backend.cc:3172] LSRAv2 *** total "
+        "bundle packing time: 0.5 ms (500 us)",
+        "learning/some/file.cc:379",
+        "I1205 03:39:17.080682   23726 deepsea_compiler_base.cc:3820] BACKEND_PASSES stage "
+        "duration: 20.5s",
+        "I1205 03:38:56.222079   23651 deepsea_compiler_hlo_passes.cc:6763] HLO_PASSES stage "
+        "duration: 1023.3ms",
+    ])
+    kernels, stages = tpu_kernels.read_log(log)
+    assert [(k.name, k.instructions) for k in kernels] == [("fusion.1", 2000), ("copy.2", 50)]
+    assert kernels[0].seconds == pytest.approx(2e-3) and kernels[1].seconds == pytest.approx(408e-6)
+    assert stages == pytest.approx({"BACKEND_PASSES": 20.5, "HLO_PASSES": 1.0233})
+
+    def inner(x):
+        return jnp.sin(x) * 3.0
+
+    def outer(x):
+        return inner(x) + 1.0
+
+    hlo = jax.jit(outer).lower(jnp.ones(8)).compile().as_text()
+    where = tpu_kernels.source_lines(hlo)
+    named = {name: chain for name, chain in where.items() if chain and ".inner:" in chain[0]}
+    assert named, where
+    name, chain = next(iter(named.items()))
+    assert "test_benchmarks.py:" in chain[0] and ".inner:" in chain[0], chain
+    assert ".outer:" in chain[1], chain   # the caller, one frame out
+    rows = tpu_kernels.by_source([tpu_kernels.Kernel(name, 10, 2.0),
+                                  tpu_kernels.Kernel(name, 5, 1.0),
+                                  tpu_kernels.Kernel("nowhere", 1, 0.5)], where)
+    assert rows[0][1:] == (2, 15, 3.0) and ".inner:" in rows[0][0]
+    assert rows[1] == ("(no source: glue, copies)", 1, 1, 0.5)
