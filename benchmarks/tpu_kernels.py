@@ -36,7 +36,7 @@ _KERNEL = re.compile(r"\] \[(.*?)\] LLO optimizing ([\d,]+) instructions")
 _TIME = re.compile(r"(?:graph-based optimizations and scheduling|total bundle packing) time: "
                    r"([\d.]+) (us|ms|s)\b")
 _STAGE = re.compile(r"(HLO_PASSES|BACKEND_PASSES|CODE_GENERATION|END_TO_END) stage duration: "
-                    r"([\d.]+)(m?s)")
+                    r"(?:(\d+)m(?!s))?([\d.]+)(us|ms|s)\b")   # 1023.3ms, 20.5s, 1m2.5s
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -65,7 +65,7 @@ def read_log(log: str) -> tuple[list[Kernel], dict[str, float]]:
         elif (t := _TIME.search(line)) and thread in current:
             current[thread][2] += float(t.group(1)) * _UNIT[t.group(2)]
         elif s := _STAGE.search(line):
-            stages[s.group(1)] = float(s.group(2)) * _UNIT[s.group(3)]
+            stages[s.group(1)] = 60 * int(s.group(2) or 0) + float(s.group(3)) * _UNIT[s.group(4)]
     return [Kernel(*k) for k in kernels], stages
 
 

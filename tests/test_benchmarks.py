@@ -219,11 +219,14 @@ def test_tpu_kernels_reads_the_log_and_the_sources():
         "duration: 20.5s",
         "I1205 03:38:56.222079   23651 deepsea_compiler_hlo_passes.cc:6763] HLO_PASSES stage "
         "duration: 1023.3ms",
+        "I1205 03:40:17.080682   23651 deepsea_compiler_base.cc:1033] END_TO_END stage "
+        "duration: 1m2.5s",
     ])
     kernels, stages = tpu_kernels.read_log(log)
     assert [(k.name, k.instructions) for k in kernels] == [("fusion.1", 2000), ("copy.2", 50)]
     assert kernels[0].seconds == pytest.approx(2e-3) and kernels[1].seconds == pytest.approx(408e-6)
-    assert stages == pytest.approx({"BACKEND_PASSES": 20.5, "HLO_PASSES": 1.0233})
+    assert stages == pytest.approx({"BACKEND_PASSES": 20.5, "HLO_PASSES": 1.0233,
+                                    "END_TO_END": 62.5})
 
     def inner(x):
         return jnp.sin(x) * 3.0
