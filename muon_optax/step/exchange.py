@@ -29,6 +29,7 @@ from muon_optax.step.rows import (
     dynamic_slice,
     dynamic_update,
     member_rows,
+    member_runs,
     member_spans,
     owned_parts,
     span,
@@ -118,6 +119,7 @@ class ExchangeSource:
             return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
 
         self.dtype, self.leaves = dtype, [leaves[i] for i in self.members]
+        self.piece_leaves = self._piece_leaves()
         if comm.size == 1:
             self.received = whole(*flat)
         else:
@@ -132,6 +134,21 @@ class ExchangeSource:
             owned_parts(sp, self._pieces(sp, leaves), parts)
         return parts
 
+    def _piece_leaves(self) -> list[list[int]]:
+        """Per piece, the leaves (their indices in ``self.members``) that some device's
+        columns of it are cut from, as :meth:`_parts` lays them out."""
+        runs = []   # (device, first column, end, member position)
+        for d in range(self.comm.size):
+            at = 0
+            for k in self.channel.stacks:
+                sp = self.owner.stacks[k]
+                row = sp.slots[d]
+                for member, lo, hi in member_runs(sp.stack, row[row >= 0]):
+                    size = (hi - lo) * sp.routes[member].piece
+                    runs.append((at, at + size, self.members.index(sp.stack.members[member].index)))
+                    at += size
+        return [sorted({i for a, b, i in runs if a < c1 and c0 < b}) for c0, c1 in self.bounds]
+
     def _exchange(self, first: int, last: int, leaves, got: dict, prev) -> dict:
         """Pieces ``first .. last-1`` not yet in ``got``, each exchanged (TPU): packed
         from the gradients once ``prev`` (the previous stack's direction) and the
@@ -143,7 +160,10 @@ class ExchangeSource:
             if p in got:
                 continue
             c0, c1 = self.bounds[p]
-            rows = self._parts(dict(zip(self.members, wait_for(leaves, got.get(p - 1), prev))))
+            # Only the leaves this piece is cut from wait (the others' parts are not read).
+            used, now = self.piece_leaves[p], dict(zip(self.members, leaves))
+            held = wait_for([leaves[i] for i in used], got.get(p - 1), prev)
+            rows = self._parts({**now, **{self.members[i]: x for i, x in zip(used, held)}})
             packed = jnp.stack([row_slice(r, c0, c1, self.dtype) for r in rows])
             got[p] = self.comm.exchange(packed)
         return got
