@@ -137,7 +137,8 @@ class ExchangeSource:
     def _piece_leaves(self) -> list[list[int]]:
         """Per piece, the leaves (their indices in ``self.members``) that some device's
         columns of it are cut from, as :meth:`_parts` lays them out."""
-        runs = []   # (device, first column, end, member position)
+        position = {index: i for i, index in enumerate(self.members)}
+        runs = []   # (first column, end, member position), every device's row
         for d in range(self.comm.size):
             at = 0
             for k in self.channel.stacks:
@@ -145,7 +146,7 @@ class ExchangeSource:
                 row = sp.slots[d]
                 for member, lo, hi in member_runs(sp.stack, row[row >= 0]):
                     size = (hi - lo) * sp.routes[member].piece
-                    runs.append((at, at + size, self.members.index(sp.stack.members[member].index)))
+                    runs.append((at, at + size, position[sp.stack.members[member].index]))
                     at += size
         return [sorted({i for a, b, i in runs if a < c1 and c0 < b}) for c0, c1 in self.bounds]
 
@@ -155,13 +156,13 @@ class ExchangeSource:
         previous piece are in, so that a piece is received just before the load that
         first reads it, not all of them before the first stack runs. The same bytes
         travel."""
-        got = dict(got)
+        got, now = dict(got), dict(zip(self.members, leaves))
         for p in range(first, last):
             if p in got:
                 continue
             c0, c1 = self.bounds[p]
             # Only the leaves this piece is cut from wait (the others' parts are not read).
-            used, now = self.piece_leaves[p], dict(zip(self.members, leaves))
+            used = self.piece_leaves[p]
             held = wait_for([leaves[i] for i in used], got.get(p - 1), prev)
             rows = self._parts({**now, **{self.members[i]: x for i, x in zip(used, held)}})
             packed = jnp.stack([row_slice(r, c0, c1, self.dtype) for r in rows])
