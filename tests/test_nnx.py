@@ -171,6 +171,30 @@ def test_mesh_nnx_optimizer_learns_the_layout(one_device, shape, axis_type, tp):
         np.testing.assert_allclose(got_params[path], want, rtol=1e-4, atol=1e-5, err_msg=path)
 
 
+def test_mesh_nnx_optimizer_in_the_tpu_forms(one_device, monkeypatch):
+    """The FSDP run above (nnx.Optimizer, ``nnx.value_and_grad``) with the transports in
+    their TPU form, cut into pieces and ordered by the TPU's optimization barriers
+    (forced on XLA:CPU): training still follows the one-device run."""
+    from muon_optax.rule import platform
+
+    for site in ("exchange", "gather", "order"):
+        monkeypatch.setitem(platform.FORCED, site, "tpu")
+    mesh = _mesh((8,), AxisType.Auto)
+    with jax.set_mesh(mesh):
+        model = g.GPT(nnx.Rngs(0))
+        g.place(model, mesh, False)
+        tx = g.make_tx(axis_name=mesh.axis_names, mesh=mesh)
+        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        ops = g.optimizer_collectives(tx, opt, model, mesh.size)
+        assert set(ops) == {"all-to-all"} and ops["all-to-all"]["count"] > 2, ops  # pieces
+        losses = _train(model, opt, step=g.train_step)
+    want_losses, want_params, _ = one_device
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    got_params = _pure_params(model)
+    for path, want in want_params.items():
+        np.testing.assert_allclose(got_params[path], want, rtol=1e-4, atol=1e-5, err_msg=path)
+
+
 def test_traced_init_on_auto_mesh_asks_for_param_specs():
     """Where the layout cannot be known (traced on Auto axes, never seen placed), the
     error names param_specs instead of gathering split leaves silently."""
