@@ -287,3 +287,53 @@ def test_directions_sent_back_as_their_stacks_finish(monkeypatch):
     (back,) = owner.back.values()
     after_last = [n for n in exchanges if not feeds_loop(n, set())]
     assert 0 < len(after_last) < -(-back.length // width)
+
+
+def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch):
+    """Two steps of ``tpu_compile.build``'s ``contender`` on 4 devices, a model of whole
+    (8, 128) tiles (nanochat's shapes at width 128), every device fed the same gradient,
+    with ``forced`` sites in their TPU form; the new params and state, and the program."""
+    import muon_optax
+    from benchmarks import common, tpu_compile
+    from muon_optax.rule import platform
+
+    for site in forced:
+        monkeypatch.setitem(platform.FORCED, site, "tpu")
+    params = common.nanochat_params(128, 2, 256)
+    grads = common.random_grads(params)
+    fn, (p_abs, s_abs, g_abs), tx, _ = tpu_compile.build(contender, params, jax.devices()[:4])
+
+    def put(tree, like):
+        return jax.tree.map(lambda x, a: jax.device_put(
+            np.broadcast_to(x, a.shape), a.sharding), tree, like)
+
+    p = put(params, p_abs)
+    if contender == "zero2":
+        mesh = jax.tree.leaves(p_abs)[0].sharding.mesh
+        init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
+                             out_specs=muon_optax.state_specs(tx, params, mesh))
+    else:
+        init = tx.init
+    s = jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, s_abs))(p)
+    hlo = fn.lower(p, s, put(grads, g_abs)).compile().as_text()
+    for _ in range(2):
+        p, s = fn(p, s, put(grads, g_abs))
+    return jax.tree.leaves((p, s)), hlo
+
+
+@pytest.mark.parametrize("contender", ["zero2", "fsdp", "heads_tp"])
+def test_tpu_transports_with_tiled_buffers_equal_the_cpu_form(monkeypatch, contender):
+    """Every transport in its TPU form (pieces, barriers) with its buffers in the TPU's
+    tile order, forced on XLA:CPU, takes the same steps as the CPU form, bit for bit:
+    every buffer is read back in the order it was written in."""
+    sites = ("exchange", "gather", "scatter", "order", "late_adamw")
+    with monkeypatch.context() as m:
+        want, _ = _two_steps(contender, (), m)
+    with monkeypatch.context() as m:
+        rows, rows_hlo = _two_steps(contender, sites, m)
+    with monkeypatch.context() as m:
+        tiles, tiles_hlo = _two_steps(contender, sites + ("tiles",), m)
+    assert tiles_hlo != rows_hlo           # the tile order is taken
+    for a, b, c in zip(want, rows, tiles):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)

@@ -28,10 +28,12 @@ from muon_optax.step.rows import (
     device_rows,
     dynamic_slice,
     dynamic_update,
+    flat,
     member_rows,
     member_runs,
     member_spans,
     owned_parts,
+    shaped,
     span,
     take_static,
 )
@@ -47,9 +49,10 @@ def exchange_piece(owner: OwnerPlan) -> int:
 
 
 def _grid_to_matrix(route, x: jax.Array) -> jax.Array:
-    """``(n, blocks, block_size)`` (blocks row-major over the grid) -> ``(n, *mshape)``."""
+    """``(n, blocks, block_size)`` (blocks row-major over the grid, each as
+    :func:`muon_optax.step.rows.flat` lays it out) -> ``(n, *mshape)``."""
     n, g, b = x.shape[0], route.grid, route.block_shape
-    x = x.reshape((n,) + g + b)
+    x = shaped(x, (n, math.prod(g)) + b, len(b)).reshape((n,) + g + b)
     dims = len(g)
     perm = (0,) + tuple(a for i in range(dims) for a in (1 + i, 1 + dims + i))
     return jnp.transpose(x, perm).reshape((n,) + route.mshape)
@@ -61,7 +64,8 @@ def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
     x = x.reshape((n,) + tuple(v for pair in zip(g, b) for v in pair))
     dims = len(g)
     perm = (0,) + tuple(1 + 2 * i for i in range(dims)) + tuple(2 + 2 * i for i in range(dims))
-    return jnp.transpose(x, perm).reshape(n, math.prod(g), route.block_size)
+    x = jnp.transpose(x, perm).reshape((n, math.prod(g)) + b)
+    return flat(x, len(b)).reshape(n, math.prod(g), route.block_size)
 
 
 def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
@@ -178,7 +182,8 @@ class ExchangeSource:
         """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
         out = []
         for m, route in zip(sp.stack.members, sp.routes):
-            blocks = m.split_batch(leaves[m.index]).reshape(m.batch, route.block_size)
+            blocks = flat(m.split_batch(leaves[m.index]), len(route.block_shape))
+            blocks = blocks.reshape(m.batch, route.block_size)
             padded = route.replicas * route.piece
             if padded > route.block_size:
                 blocks = jnp.pad(blocks, ((0, 0), (0, padded - route.block_size)))
@@ -370,7 +375,7 @@ class ExchangeSink:
             sp = self.owner.stacks[k]
             rows = member_rows(received, self.channel, k, sp, sp.route.block_size)
             for m, route, r in zip(sp.stack.members, sp.routes, rows):
-                y = r.reshape((m.batch,) + route.block_shape)
+                y = shaped(r, (m.batch,) + route.block_shape, len(route.block_shape))
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
         return out
 
@@ -385,6 +390,6 @@ class ExchangeSink:
             for m, route, spans in zip(sp.stack.members, sp.routes,
                                        member_spans(self.channel, k, sp, size)):
                 y = jnp.stack([span(got, self.bounds, d, at, size) for d, at in spans])
-                out[m.index] = m.join_batch(y.reshape((m.batch,) + route.block_shape),
-                                            local_shapes[m.index])
+                y = shaped(y, (m.batch,) + route.block_shape, len(route.block_shape))
+                out[m.index] = m.join_batch(y, local_shapes[m.index])
         return out

@@ -11,6 +11,63 @@ import numpy as np
 
 from muon_optax.params.layout import Stack
 from muon_optax.plan.plan import Channel, StackPlan
+from muon_optax.rule.platform import per_platform
+
+# A TPU array's two minor dimensions lie in tiles of 8 x 128 elements (of 16- and 32-bit
+# types); flat, an array's elements lie in runs of 1024, the tiles'.
+_TILE = (8, 128)
+
+
+def _tiled(shape: tuple[int, ...], dtype: Any, item: int) -> bool:
+    return (item >= 2 and shape[-2] % _TILE[0] == 0 and shape[-1] % _TILE[1] == 0
+            and jnp.dtype(dtype).itemsize in (2, 4))
+
+
+def flat(x: jax.Array, item: int = 2) -> jax.Array:
+    """``x`` as a 1-D array for a transport's buffer, read back by :func:`shaped`; its
+    trailing ``item`` dimensions make one item (a matrix, or a block of one).
+
+    On TPU, where the two minor dimensions are whole tiles, each matrix goes in its tiles'
+    order (tile by tile, each tile's rows in order): that order is how the TPU holds the
+    matrix, so both ways are a bitcast; in row-major order each is a relayout copy, which
+    the compiler builds a kernel for (a matrix's worth of data movement for every leaf,
+    both ways). Elsewhere, and for other shapes, row-major. Which order a buffer holds is
+    never seen outside it: every write and read of it goes through these two.
+    """
+    def row_major(x):
+        return x.reshape(-1)
+
+    def tiles(x):
+        r, c = x.shape[-2:]
+        lead = x.shape[:-2]
+        y = x.reshape(lead + (r // _TILE[0], _TILE[0], c // _TILE[1], _TILE[1]))
+        k = len(lead)
+        return jnp.transpose(y, tuple(range(k)) + (k, k + 2, k + 1, k + 3)).reshape(-1)
+
+    if not _tiled(x.shape, x.dtype, item):
+        return row_major(x)
+    return per_platform("tiles", x, tpu=tiles, default=row_major)
+
+
+def shaped(x: jax.Array, shape: tuple[int, ...], item: int = 2) -> jax.Array:
+    """Inverse of :func:`flat`: ``x`` (its elements in :func:`flat`'s order, any shape of
+    that size) as an array of ``shape``, whose trailing ``item`` dimensions make one
+    item."""
+    shape = tuple(shape)
+
+    def row_major(x):
+        return x.reshape(shape)
+
+    def tiles(x):
+        r, c = shape[-2:]
+        lead = shape[:-2]
+        y = x.reshape(lead + (r // _TILE[0], c // _TILE[1], _TILE[0], _TILE[1]))
+        k = len(lead)
+        return jnp.transpose(y, tuple(range(k)) + (k, k + 2, k + 1, k + 3)).reshape(shape)
+
+    if not _tiled(shape, x.dtype, item):
+        return row_major(x)
+    return per_platform("tiles", x, tpu=tiles, default=row_major)
 
 
 def take_static(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
@@ -36,14 +93,14 @@ def member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]]
     return runs
 
 
-def owned_parts(sp: StackPlan, members: list[jax.Array],
-                 parts: list[list[jax.Array]]) -> None:
+def owned_parts(sp: StackPlan, members: list[jax.Array], parts: list[list[jax.Array]],
+                flatten=lambda x: x.reshape(-1)) -> None:
     """Appends to ``parts[d]`` device ``d``'s matrices of stack ``sp``, in slot order, each
-    flattened: runs of static slices of ``members`` (one array per stack member, its
-    matrices on the leading axis), so no stacked copy and no gather."""
+    flattened (by ``flatten``): runs of static slices of ``members`` (one array per stack
+    member, its matrices on the leading axis), so no stacked copy and no gather."""
     for d, row in enumerate(sp.slots):
         for member, lo, hi in member_runs(sp.stack, row[row >= 0]):
-            parts[d].append(members[member][lo:hi].reshape(-1))
+            parts[d].append(flatten(members[member][lo:hi]))
 
 
 def device_rows(parts: list[list[jax.Array]], length: int, dtype: Any) -> list[jax.Array]:

@@ -36,10 +36,12 @@ from muon_optax.step.guard import scaled
 from muon_optax.step.rows import (
     dynamic_slice,
     dynamic_update,
+    flat,
     member_rows,
     member_runs,
     member_spans,
     owned_parts,
+    shaped,
     span,
 )
 
@@ -91,7 +93,7 @@ class GatherSource:
         for k in ch.stacks:
             sp = self.owner.stacks[k]
             owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
-                         parts)
+                        parts, flat)
         return self.comm.mean_scatter_rows(parts, ch.length, scatter_piece(self.owner), dtype)
 
     def load(self, held: dict, k: int, j0: int, n: int, prev: jax.Array | None):
@@ -101,7 +103,7 @@ class GatherSource:
             size = st.rows * st.cols
             start = self.comm.pick(self.channel.offsets[k])
             x = dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
-            return x.reshape(n, st.rows, st.cols), held
+            return shaped(x, (n, st.rows, st.cols)), held
         mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
         if isinstance(mine, np.ndarray):   # the same slots on every device (one device)
             # Only these slots are stacked: a chunk's copy, not the stack's.
@@ -134,10 +136,10 @@ class GatherSink:
               owned: jax.Array | None) -> jax.Array:
         st = self.owner.stacks[k].stack
         start = self.comm.pick(self.channel.offsets[k]) + j0 * st.rows * st.cols
-        flat = o.reshape(-1)
+        x = flat(o)
         if owned is not None:  # a slot this device may not own: keep what is there
-            flat = jnp.where(owned, flat, dynamic_slice(acc, start, flat.size, 0))
-        return dynamic_update(acc, flat, start, 0)
+            x = jnp.where(owned, x, dynamic_slice(acc, start, x.size, 0))
+        return dynamic_update(acc, x, start, 0)
 
     def finish(self, acc: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         del local_shapes   # every device gets the whole leaves
@@ -154,7 +156,7 @@ class GatherSink:
             st = sp.stack
             for m, rows in zip(st.members, member_rows(everything, self.channel, k, sp,
                                                         st.rows * st.cols)):
-                out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
+                out[m.index] = m.from_stored(shaped(rows, (m.batch, st.rows, st.cols)))
         return out
 
     def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
@@ -179,7 +181,7 @@ class GatherSink:
             prev = got[-1]
             for st, m, spans, size in ready.get(p, []):
                 rows = jnp.stack([span(got, bounds, d, at, size) for d, at in spans])
-                out[m.index] = m.from_stored(rows.reshape(m.batch, st.rows, st.cols))
+                out[m.index] = m.from_stored(shaped(rows, (m.batch, st.rows, st.cols)))
         return out
 
 
