@@ -291,15 +291,19 @@ def test_directions_sent_back_as_their_stacks_finish(monkeypatch):
 
 def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch):
     """Two steps of ``tpu_compile.build``'s ``contender`` on 4 devices, a model of whole
-    (8, 128) tiles (nanochat's shapes at width 128), every device fed the same gradient,
-    with ``forced`` sites in their TPU form; the new params and state, and the program."""
+    (8, 128) tiles (nanochat's shapes at width 128, 4 layers), every device fed the same
+    gradient, with ``forced`` sites in their TPU form, and chunks of one (128, 128) matrix
+    (so that in the TPU form the attention stack's slots run in a loop); the new params
+    and state, and the lowered program."""
     import muon_optax
     from benchmarks import common, tpu_compile
     from muon_optax.rule import platform
+    from muon_optax.step import sharded
 
     for site in forced:
         monkeypatch.setitem(platform.FORCED, site, "tpu")
-    params = common.nanochat_params(128, 2, 256)
+    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 128 * 128)
+    params = common.nanochat_params(128, 4, 256)
     grads = common.random_grads(params)
     fn, (p_abs, s_abs, g_abs), tx, _ = tpu_compile.build(contender, params, jax.devices()[:4])
 
@@ -315,25 +319,30 @@ def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch):
     else:
         init = tx.init
     s = jax.jit(init, out_shardings=jax.tree.map(lambda a: a.sharding, s_abs))(p)
-    hlo = fn.lower(p, s, put(grads, g_abs)).compile().as_text()
+    hlo = fn.lower(p, s, put(grads, g_abs)).as_text()
     for _ in range(2):
         p, s = fn(p, s, put(grads, g_abs))
     return jax.tree.leaves((p, s)), hlo
 
 
 @pytest.mark.parametrize("contender", ["zero2", "fsdp", "heads_tp"])
-def test_tpu_transports_with_tiled_buffers_equal_the_cpu_form(monkeypatch, contender):
-    """Every transport in its TPU form (pieces, barriers) with its buffers in the TPU's
-    tile order, forced on XLA:CPU, takes the same steps as the CPU form, bit for bit:
-    every buffer is read back in the order it was written in."""
+def test_tpu_forms_with_tiled_buffers_and_loops_equal_the_cpu_form(monkeypatch, contender):
+    """Every transport in its TPU form (pieces, barriers), with its buffers in the TPU's
+    tile order, and equal chunks of a stack in a loop, forced on XLA:CPU: the same steps
+    as the CPU form, bit for bit (every buffer is read back in the order it was written
+    in; the loop runs the same kernel on the same chunks)."""
     sites = ("exchange", "gather", "scatter", "order", "late_adamw")
     with monkeypatch.context() as m:
-        want, _ = _two_steps(contender, (), m)
+        want, cpu_hlo = _two_steps(contender, (), m)
     with monkeypatch.context() as m:
         rows, rows_hlo = _two_steps(contender, sites, m)
     with monkeypatch.context() as m:
-        tiles, tiles_hlo = _two_steps(contender, sites + ("tiles",), m)
+        tiles, tiles_hlo = _two_steps(contender, sites + ("tiles", "loop"), m)
     assert tiles_hlo != rows_hlo           # the tile order is taken
+    loops = [h.count("stablehlo.while") for h in (cpu_hlo, rows_hlo, tiles_hlo)]
+    # and the chunks in a loop: one kernel (one polar loop) where the other forms have one
+    # for each chunk
+    assert loops[2] < loops[1] == loops[0], loops
     for a, b, c in zip(want, rows, tiles):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)

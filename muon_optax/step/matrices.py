@@ -66,3 +66,19 @@ def chunks(size: int, matrix_bytes: int, budget: int) -> list[tuple[int, int]]:
     bytes (at least one matrix)."""
     per = max(1, budget // matrix_bytes)
     return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
+
+
+def chunk_runs(spans: list[tuple[int, int]], matrix_bytes: int,
+               loop_bytes: int) -> list[list[tuple[int, int]]]:
+    """``spans`` (consecutive chunks) cut into runs of equal chunks of at most
+    ``loop_bytes`` bytes together (each chunk alone when that is under two chunks)."""
+    out: list[list[tuple[int, int]]] = []
+    for lo, hi in spans:
+        size = hi - lo
+        last = out[-1] if out else None
+        if (last is not None and last[0][1] - last[0][0] == size
+                and (len(last) + 1) * size * matrix_bytes <= loop_bytes):
+            last.append((lo, hi))
+        else:
+            out.append([(lo, hi)])
+    return out

@@ -32,7 +32,13 @@ from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
 from muon_optax.step.guard import scaled
-from muon_optax.step.matrices import chunk_bytes, chunks, finish_leaves, matrix_hparams
+from muon_optax.step.matrices import (
+    chunk_bytes,
+    chunk_runs,
+    chunks,
+    finish_leaves,
+    matrix_hparams,
+)
 from muon_optax.step.state import MuonBuffers
 
 
@@ -132,7 +138,7 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
         st, pieces, duals = sp.stack, {}, {}
         matrix_bytes = 4 * st.rows * st.cols
         spans = chunks(st.size, matrix_bytes, budget)
-        for run in _runs(spans, matrix_bytes, loop_bytes):
+        for run in chunk_runs(spans, matrix_bytes, loop_bytes):
             gs = [jnp.concatenate([st.members[i].to_stored(after(g_leaves[
                 st.members[i].index], prev))[a:b] for i, a, b in _pieces(st, lo, hi)])
                 for lo, hi in run]
@@ -154,22 +160,6 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
                                   updates, only=(m,))
                 prev = updates[st.members[done[-1]].index] if done else o
     return tuple(bufs.values())
-
-
-def _runs(spans: list[tuple[int, int]], matrix_bytes: int, loop_bytes: int
-          ) -> list[list[tuple[int, int]]]:
-    """``spans`` (consecutive chunks) cut into runs of equal chunks of at most
-    ``loop_bytes`` bytes together (each chunk alone when that is under two chunks)."""
-    out: list[list[tuple[int, int]]] = []
-    for lo, hi in spans:
-        size = hi - lo
-        last = out[-1] if out else None
-        if (last is not None and last[0][1] - last[0][0] == size
-                and (len(last) + 1) * size * matrix_bytes <= loop_bytes):
-            last.append((lo, hi))
-        else:
-            out.append([(lo, hi)])
-    return out
 
 
 def _collect(st: Stack, parts, o, d, pieces: dict, duals: dict) -> list[int]:

@@ -5,7 +5,8 @@ transports (:mod:`muon_optax.step.transport`), its momentum and NorMuon state fr
 state buffers, runs the rule's one kernel (:func:`muon_optax.rule.muon.muon_step`), writes
 the state back in place and hands the directions to the transports. The slots every
 device owns run as one batched program; the rest one by one under ``lax.cond``, skipped
-where a device owns fewer.
+where a device owns fewer. On TPU, runs of equal chunks of those batched slots are one
+kernel in a loop, as on one chip (:mod:`muon_optax.step.one_device`).
 Stacks run one after another (each reads the state the previous one wrote), so only one
 stack's temporaries are alive at a time.
 """
@@ -21,8 +22,16 @@ import numpy as np
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
+from muon_optax.rule.platform import per_platform
 from muon_optax.step.collectives import Collectives, Cost, varying_axes
-from muon_optax.step.matrices import chunk_bytes, chunks, finish_leaves, matrix_hparams
+from muon_optax.step.matrices import (
+    chunk_bytes,
+    chunk_runs,
+    chunks,
+    finish_leaves,
+    matrix_hparams,
+)
+from muon_optax.step.one_device import LOOP_CHUNKS
 from muon_optax.step.state import MuonBuffers
 from muon_optax.step.transport import Transports
 
@@ -92,15 +101,70 @@ def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, 
     return moves.store(carry, k, j0, o), bufs, o, d
 
 
+def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hps, comm,
+               count, prev, run: list[tuple[int, int]]):
+    """Equal chunks ``run`` of the ``base`` slots as one kernel in a loop
+    (``lax.fori_loop``): their gradients loaded and their directions stored together, the
+    kernel on one chunk an iteration, its state read and written in place at the chunk's
+    offsets (a direction overwrites the gradient rows it comes from). The same arithmetic
+    as :func:`_base_slots` on each chunk."""
+    st, lo, per = sp.stack, run[0][0], run[0][1] - run[0][0]
+    n = len(run) * per
+    g_all, carry = moves.load(carry, k, lo, n, prev, scale)
+    hp_all = matrix_hparams(st, hps, sp.slots[:, lo:lo + n], comm.pick)
+    at = _state_at(k, sp, plan, comm, lo)
+    leaf_scaled = st.config.leaf_scaled
+
+    def body(i, c):
+        g_all, o_all, mom, sec, d_all = c
+        j = i * per
+        hp = {key: jax.lax.dynamic_slice_in_dim(v, j, per, axis=0) if jnp.ndim(v) > 0 else v
+              for key, v in hp_all.items()}
+        start = (at[0] + j * st.rows * st.cols, at[1] + j * sp.second_size)
+        state = _read_state(MuonBuffers(mom, sec), start, per, sp)
+        o, state, d = st.config.step(jax.lax.dynamic_slice_in_dim(g_all, j, per, axis=0),
+                                     state, hp, count, st.dtype)
+        mom = _write(mom, start[0], state.momentum)
+        sec = _write(sec, start[1], state.second_moment, o)
+        if o_all is None:
+            g_all = jax.lax.dynamic_update_slice_in_dim(g_all, o, j, axis=0)
+        else:
+            o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, j, axis=0)
+        if leaf_scaled:
+            d_all = jax.lax.dynamic_update_slice_in_dim(d_all, d, j, axis=0)
+        return g_all, o_all, mom, sec, d_all
+
+    o_all = None if g_all.dtype == st.dtype else jnp.zeros(g_all.shape, st.dtype)
+    d0 = jnp.zeros((n, 1, 1) if leaf_scaled else (), jnp.float32)
+    g_all, o_all, mom, sec, d_all = jax.lax.fori_loop(
+        0, len(run), body, (g_all, o_all, bufs.momentum, bufs.second_moment, d0))
+    o_all = g_all if o_all is None else o_all
+    return (moves.store(carry, k, lo, o_all), MuonBuffers(mom, sec), o_all,
+            d_all if leaf_scaled else None)
+
+
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale, carry,
-                bufs: MuonBuffers, hps, comm: Collectives, count, prev):
+                bufs: MuonBuffers, hps, comm: Collectives, count, prev, loop_bytes: int):
     """One stack's owned slots: the first ``base`` batched in chunks of at most
     :func:`muon_optax.step.one_device.chunk_bytes` (one after another, so one chunk's temporaries
     are alive at a time), the rest one by one, each skipped (``lax.cond``) on devices
-    that own fewer. Returns the transports' ``carry``, the state buffers, the last
-    direction (to sequence the next stack) and the slots' ``<U, O>`` (adaptive)."""
+    that own fewer. ``loop_bytes`` (0: off): the chunks as equal as their count allows,
+    and runs of equal ones of at most that many bytes in a loop (:func:`_base_loop`).
+    Returns the transports' ``carry``, the state buffers, the last direction (to sequence
+    the next stack) and the slots' ``<U, O>`` (adaptive)."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
-    for lo, hi in chunks(sp.base, 4 * sp.stack.rows * sp.stack.cols, chunk_bytes(plan)):
+    matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
+    spans = chunks(sp.base, matrix_bytes, chunk_bytes(plan))
+    if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
+        per = -(-sp.base // len(spans))
+        spans = [(lo, min(lo + per, sp.base)) for lo in range(0, sp.base, per)]
+    for run in chunk_runs(spans, matrix_bytes, loop_bytes):
+        if len(run) > 1:
+            carry, bufs, prev, d = _base_loop(k, sp, plan, moves, scale, carry, bufs, hps,
+                                              comm, count, prev, run)
+            duals.append(d)
+            continue
+        ((lo, hi),) = run
         hp = matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
         carry, bufs, prev, d = _base_slots(k, sp, plan, moves, scale, carry, bufs, hp, comm,
                                            count, prev, lo, hi - lo)
@@ -157,17 +221,30 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
                updates: list) -> tuple[MuonBuffers, ...]:
     """Muon leaves, their gradients read through ``moves`` (times ``scale``, the clip
     factor, if not None): fills ``updates``; returns the new state buffers. The
-    collectives of a channel carry every stack's matrices at once."""
-    bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
-    prev, duals, carry = None, {}, moves.empty()
-    for k, sp in enumerate(plan.owner.stacks):
-        key = sp.state_key
-        carry, bufs[key], prev, d = _stack_step(k, sp, plan, moves, scale, carry, bufs[key],
-                                                hps, comm, count, prev)
-        if d is not None:
-            duals[k] = d
-    local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
-    directions = moves.finish(carry, local_shapes)
-    scales = _leaf_duals(plan, comm, duals)
-    finish_leaves(plan, configs, hps, directions, scales, p_leaves, updates)
-    return tuple(bufs.values())
+    collectives of a channel carry every stack's matrices at once.
+
+    On TPU runs of equal chunks are loops (:func:`_base_loop`): the compiler's time grows
+    with the kernels in the program, as on one chip. Elsewhere one kernel a chunk."""
+    def form(loop_bytes: int):
+        def run():
+            bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
+            prev, duals, carry, out = None, {}, moves.empty(), list(updates)
+            for k, sp in enumerate(plan.owner.stacks):
+                key = sp.state_key
+                carry, bufs[key], prev, d = _stack_step(k, sp, plan, moves, scale, carry,
+                                                        bufs[key], hps, comm, count, prev,
+                                                        loop_bytes)
+                if d is not None:
+                    duals[k] = d
+            local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
+            directions = moves.finish(carry, local_shapes)
+            scales = _leaf_duals(plan, comm, duals)
+            finish_leaves(plan, configs, hps, directions, scales, p_leaves, out)
+            return tuple(bufs.values()), [out[m.index] for m in plan.muon]
+        return run
+
+    bufs, muon_updates = per_platform("loop", tpu=form(LOOP_CHUNKS * chunk_bytes(plan)),
+                                      default=form(0))
+    for m, u in zip(plan.muon, muon_updates):
+        updates[m.index] = u
+    return bufs
