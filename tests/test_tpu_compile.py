@@ -96,13 +96,14 @@ def test_one_chip_has_no_collectives_and_loops_the_polar_iteration(chips):
     assert_polar_loop(hlo)
 
 
-def lowered_kernels(layers: int, chips) -> tuple[int, int]:
-    """``(dots, while loops)`` of the one-chip step for ``layers`` blocks, as lowered
-    for the TPU (its form chosen; not compiled)."""
+def lowered_kernels(layers: int, chips, contender: str = "one_device") -> tuple[int, int]:
+    """``(dots, while loops)`` of the step for ``layers`` blocks (one chip, or ``chips``
+    for a sharded ``contender``), as lowered for the TPU (its form chosen; not compiled)."""
     from benchmarks import common, tpu_compile
 
     params = common.nanochat_params(64, layers, VOCAB, abstract=True)
-    fn, args, _, _ = tpu_compile.build("one_device", params, chips[:1])
+    devices = chips[:1] if contender == "one_device" else chips
+    fn, args, _, _ = tpu_compile.build(contender, params, devices)
     text = fn.lower(*args).as_text()
     return text.count("stablehlo.dot_general"), text.count("stablehlo.while")
 
@@ -117,6 +118,39 @@ def test_one_chip_kernels_do_not_grow_with_layers(chips, monkeypatch):
     assert dots[2] == dots[4] and dots[8] == 2 * dots[4], dots
     monkeypatch.setattr(one_device, "LOOP_CHUNKS", 64)   # every stack one loop
     assert lowered_kernels(8, chips) == lowered_kernels(2, chips)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("contender", ["fsdp", "zero2"])
+def test_sharded_kernels_do_not_grow_with_layers(chips, monkeypatch, contender):
+    """On 4 chips, 8 blocks give each chip two chunks of each stack where 4 blocks give
+    one: on TPU equal chunks run as one kernel in a loop, so the program's kernels stay
+    (with the CPU's form forced, one kernel a chunk, they double)."""
+    from muon_optax.rule import platform
+
+    assert lowered_kernels(8, chips, contender)[0] == lowered_kernels(4, chips, contender)[0]
+    monkeypatch.setitem(platform.FORCED, "loop", "cpu")
+    dots = {n: lowered_kernels(n, chips, contender)[0] for n in (4, 8)}
+    assert dots[8] == 2 * dots[4], dots
+
+
+@needs_libtpu
+@pytest.mark.parametrize("contender", ["fsdp", "zero2"])
+def test_transport_buffers_hold_matrices_as_the_tpu_lays_them_out(chips, monkeypatch,
+                                                                  contender):
+    """A transport's buffer holds each matrix in its tiles' order on TPU
+    (``rows.flat``), so that packing and reading back a matrix is a bitcast: the
+    compiled step has fewer copies (and no more kernels) than with row-major buffers."""
+    from muon_optax.rule import platform
+
+    def kernels():
+        _, hlo, _ = compile_step(contender, chips)
+        return len(re.findall(r" copy\(", hlo)), len(re.findall(r" fusion\(", hlo))
+
+    tiles = kernels()
+    monkeypatch.setitem(platform.FORCED, "tiles", "cpu")
+    rows = kernels()
+    assert tiles[0] < rows[0] and tiles[1] <= rows[1], (tiles, rows)
 
 
 @needs_libtpu

@@ -15,12 +15,12 @@ from typing import Any
 import jax
 
 # {site: platform} for tests: the form that site takes wherever the step is compiled.
-# Sites: "polar" (bfloat16, batched: muon_optax.rule.polar), "loop" (one chip's stacks in
-# loops: muon_optax.step.one_device), "scatter" (a large AdamW gradient's reduce-scatter in
-# pieces: muon_optax.step.collectives), "gather" and "exchange" (the transports' pieces),
-# "tiles" (the transports' buffers in tile order: muon_optax.step.rows), "order" (barriers:
-# muon_optax.rule.order), "late_adamw" (the barrier before split AdamW leaves:
-# muon_optax.step.engine).
+# Sites: "polar" (bfloat16, batched: muon_optax.rule.polar), "loop" (a stack's chunks in
+# loops: muon_optax.step.one_device, .sharded), "scatter" (a large AdamW gradient's
+# reduce-scatter in pieces: muon_optax.step.collectives), "gather" and "exchange" (the
+# transports' pieces), "tiles" (the transports' buffers in tile order:
+# muon_optax.step.rows), "order" (barriers: muon_optax.rule.order), "late_adamw" (the
+# barrier before split AdamW leaves: muon_optax.step.engine).
 FORCED: dict[str, str] = {}
 
 
