@@ -8,11 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.params.layout import Stack
 from muon_optax.plan.plan import TreePlan
+from muon_optax.step.guard import scaled
 
 
 def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
@@ -82,3 +84,43 @@ def chunk_runs(spans: list[tuple[int, int]], matrix_bytes: int,
         else:
             out.append([(lo, hi)])
     return out
+
+
+def kernel_in_loop(stack: Stack, g_all: jax.Array, per: int, hp_all: dict, state: Any,
+                   read: Callable, write: Callable, count, scale: jax.Array | None = None):
+    """The rule's kernel on equal chunks of ``per`` of the matrices ``g_all`` (times
+    ``scale``, if not None) as one kernel in a loop (``lax.fori_loop``): chunk ``j``'s
+    matrices and hyperparameters sliced from ``g_all`` and ``hp_all`` (per matrix, or
+    scalars), its state ``read(state, first)`` and written back by
+    ``write(state, first, new, O)`` (``first``: the chunk's first matrix). Returns the
+    directions, the state and the chunks' ``<U, O>`` (None unless adaptive): the same
+    arithmetic as the kernel on each chunk alone.
+
+    The TPU compiler's time grows with the number of kernels in the program (a chunk's
+    kernel costs it about 1.4 s; BENCHMARKS.md); in a loop it compiles one."""
+    leaf_scaled = stack.config.leaf_scaled
+
+    def body(i, carry):
+        g_all, o_all, state, d_all = carry
+        at = i * per
+        hp = {k: (jax.lax.dynamic_slice_in_dim(v, at, per, axis=0)
+                  if jnp.ndim(v) > 0 else v) for k, v in hp_all.items()}
+        g = scaled(jax.lax.dynamic_slice_in_dim(g_all, at, per, axis=0), scale)
+        o, new, d = stack.config.step(g, read(state, at), hp, count, stack.dtype)
+        state = write(state, at, new, o)
+        if o_all is None:
+            g_all = jax.lax.dynamic_update_slice_in_dim(g_all, o, at, axis=0)
+        else:
+            o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, at, axis=0)
+        if leaf_scaled:
+            d_all = jax.lax.dynamic_update_slice_in_dim(d_all, d, at, axis=0)
+        return g_all, o_all, state, d_all
+
+    n = g_all.shape[0]
+    # The directions overwrite the gradient rows they come from, unless the gradient is
+    # in another dtype than the parameters (then a buffer of their own).
+    o_all = None if g_all.dtype == stack.dtype else jnp.zeros(g_all.shape, stack.dtype)
+    d0 = jnp.zeros((n, 1, 1) if leaf_scaled else (), jnp.float32)
+    g_all, o_all, state, d_all = jax.lax.fori_loop(0, n // per, body,
+                                                   (g_all, o_all, state, d0))
+    return (g_all if o_all is None else o_all), state, (d_all if leaf_scaled else None)

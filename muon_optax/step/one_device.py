@@ -37,6 +37,7 @@ from muon_optax.step.matrices import (
     chunk_runs,
     chunks,
     finish_leaves,
+    kernel_in_loop,
     matrix_hparams,
 )
 from muon_optax.step.state import MuonBuffers
@@ -179,48 +180,25 @@ def _collect(st: Stack, parts, o, d, pieces: dict, duals: dict) -> list[int]:
 def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int, int]],
                  scale: jax.Array | None, hps, count):
     """Equal chunks ``run`` of one stack (gradients ``gs``) as one kernel in a loop
-    (``lax.fori_loop``): chunk ``j``'s gradient is read from the run's stacked gradients,
-    its state from the stack's buffers, both written back in place (the gradient's rows
-    by its direction ``O``). Returns each chunk's ``(O, <U, O> or None)`` and the new
-    buffers: the same arithmetic as :func:`_chunk_step` on each chunk.
-
-    The TPU compiler's time grows with the number of kernels in the program (a chunk's
-    kernel costs it about 1.4 s; BENCHMARKS.md); in a loop it compiles one."""
+    (:func:`muon_optax.step.matrices.kernel_in_loop`), the state read from and written
+    back into the stack's buffers in place. Returns each chunk's ``(O, <U, O> or None)``
+    and the new buffers: the same arithmetic as :func:`_chunk_step` on each chunk."""
     st, per, lo0 = sp.stack, run[0][1] - run[0][0], run[0][0]
     n = len(run)
-    g_all = jnp.concatenate(gs)
-    # The directions overwrite the gradient rows they come from, unless the gradient is
-    # in another dtype than the parameters (then a buffer of their own).
-    o_all = g_all if g_all.dtype == st.dtype else jnp.zeros(g_all.shape, st.dtype)
     hp_all = matrix_hparams(st, hps, np.arange(lo0, lo0 + n * per)[None],
                             lambda t: np.asarray(t)[0])
-    adaptive = st.config.leaf_scaled
 
-    def body(j, carry):
-        g_all, o_all, mom, sec, d_all = carry
-        at = j * per
-        g = jax.lax.dynamic_slice_in_dim(g_all, at, per, axis=0)
-        hp = {k: (jax.lax.dynamic_slice_in_dim(v, at, per, axis=0)
-                  if jnp.ndim(v) > 0 else v) for k, v in hp_all.items()}
-        state = MuonStackState(jax.lax.dynamic_slice_in_dim(mom, lo0 + at, per, axis=0),
-                               jax.lax.dynamic_slice_in_dim(sec, lo0 + at, per, axis=0))
-        o, state, d = st.config.step(scaled(g, scale), state, hp, count, st.dtype)
-        new_second = after(state.second_moment, o)
-        mom = jax.lax.dynamic_update_slice_in_dim(mom, state.momentum, lo0 + at, axis=0)
-        sec = jax.lax.dynamic_update_slice_in_dim(sec, new_second, lo0 + at, axis=0)
-        if o_all is None:
-            g_all = jax.lax.dynamic_update_slice_in_dim(g_all, o, at, axis=0)
-        else:
-            o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, at, axis=0)
-        if adaptive:
-            d_all = jax.lax.dynamic_update_slice_in_dim(d_all, d, at, axis=0)
-        return g_all, o_all, mom, sec, d_all
+    def read(bufs, at):
+        return MuonStackState(*(jax.lax.dynamic_slice_in_dim(b, lo0 + at, per, axis=0)
+                                for b in bufs))
 
-    d0 = jnp.zeros((n * per, 1, 1), jnp.float32) if adaptive else jnp.zeros((), jnp.float32)
-    g_all, o_all, mom, sec, d_all = jax.lax.fori_loop(
-        0, n, body, (g_all, None if o_all is g_all else o_all, bufs.momentum,
-                     bufs.second_moment, d0))
-    o_all = g_all if o_all is None else o_all
+    def write(bufs, at, new, o):
+        new = (new.momentum, after(new.second_moment, o))
+        return MuonBuffers(*(jax.lax.dynamic_update_slice_in_dim(b, x, lo0 + at, axis=0)
+                             for b, x in zip(bufs, new)))
+
+    o_all, bufs, d_all = kernel_in_loop(st, jnp.concatenate(gs), per, hp_all, bufs, read,
+                                        write, count, scale)
     outs = [(o_all[j * per:(j + 1) * per],
-             d_all[j * per:(j + 1) * per] if adaptive else None) for j in range(n)]
-    return outs, MuonBuffers(mom, sec)
+             None if d_all is None else d_all[j * per:(j + 1) * per]) for j in range(n)]
+    return outs, bufs

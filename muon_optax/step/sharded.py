@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.plan.plan import StackPlan, TreePlan
+from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
@@ -29,6 +30,7 @@ from muon_optax.step.matrices import (
     chunk_runs,
     chunks,
     finish_leaves,
+    kernel_in_loop,
     matrix_hparams,
 )
 from muon_optax.step.one_device import LOOP_CHUNKS
@@ -104,43 +106,41 @@ def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, 
 def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hps, comm,
                count, prev, run: list[tuple[int, int]]):
     """Equal chunks ``run`` of the ``base`` slots as one kernel in a loop
-    (``lax.fori_loop``): their gradients loaded and their directions stored together, the
-    kernel on one chunk an iteration, its state read and written in place at the chunk's
-    offsets (a direction overwrites the gradient rows it comes from). The same arithmetic
-    as :func:`_base_slots` on each chunk."""
+    (:func:`muon_optax.step.matrices.kernel_in_loop`), each chunk's state read and
+    written in place at its offsets; the gradients loaded and the directions stored
+    before and after the loop. The same arithmetic as :func:`_base_slots` on each chunk.
+
+    An exchange stack's chunks are loaded and stored one at a time, as without the
+    loop: on TPU the kernel that puts an exchange's matrices together grows with the
+    matrices it reads at once, and chunks of one size share one (heads_tp, d768x12 on
+    v5p:8: loads of four chunks together doubled the compile time)."""
     st, lo, per = sp.stack, run[0][0], run[0][1] - run[0][0]
     n = len(run) * per
-    g_all, carry = moves.load(carry, k, lo, n, prev, scale)
-    hp_all = matrix_hparams(st, hps, sp.slots[:, lo:lo + n], comm.pick)
+    parts = run if sp.transport == EXCHANGE else [(lo, lo + n)]
+    gs = []
+    for a, b in parts:
+        g, carry = moves.load(carry, k, a, b - a, prev, scale)
+        gs.append(g)
     at = _state_at(k, sp, plan, comm, lo)
-    leaf_scaled = st.config.leaf_scaled
 
-    def body(i, c):
-        g_all, o_all, mom, sec, d_all = c
-        j = i * per
-        hp = {key: jax.lax.dynamic_slice_in_dim(v, j, per, axis=0) if jnp.ndim(v) > 0 else v
-              for key, v in hp_all.items()}
-        start = (at[0] + j * st.rows * st.cols, at[1] + j * sp.second_size)
-        state = _read_state(MuonBuffers(mom, sec), start, per, sp)
-        o, state, d = st.config.step(jax.lax.dynamic_slice_in_dim(g_all, j, per, axis=0),
-                                     state, hp, count, st.dtype)
-        mom = _write(mom, start[0], state.momentum)
-        sec = _write(sec, start[1], state.second_moment, o)
-        if o_all is None:
-            g_all = jax.lax.dynamic_update_slice_in_dim(g_all, o, j, axis=0)
-        else:
-            o_all = jax.lax.dynamic_update_slice_in_dim(o_all, o, j, axis=0)
-        if leaf_scaled:
-            d_all = jax.lax.dynamic_update_slice_in_dim(d_all, d, j, axis=0)
-        return g_all, o_all, mom, sec, d_all
+    def start(j):
+        return at[0] + j * st.rows * st.cols, at[1] + j * sp.second_size
 
-    o_all = None if g_all.dtype == st.dtype else jnp.zeros(g_all.shape, st.dtype)
-    d0 = jnp.zeros((n, 1, 1) if leaf_scaled else (), jnp.float32)
-    g_all, o_all, mom, sec, d_all = jax.lax.fori_loop(
-        0, len(run), body, (g_all, o_all, bufs.momentum, bufs.second_moment, d0))
-    o_all = g_all if o_all is None else o_all
-    return (moves.store(carry, k, lo, o_all), MuonBuffers(mom, sec), o_all,
-            d_all if leaf_scaled else None)
+    def read(bufs, j):
+        return _read_state(bufs, start(j), per, sp)
+
+    def write(bufs, j, new, o):
+        m, s = start(j)
+        return MuonBuffers(_write(bufs.momentum, m, new.momentum),
+                           _write(bufs.second_moment, s, new.second_moment, o))
+
+    o_all, bufs, d_all = kernel_in_loop(st, jnp.concatenate(gs) if len(gs) > 1 else gs[0],
+                                        per, matrix_hparams(st, hps, sp.slots[:, lo:lo + n],
+                                                            comm.pick),
+                                        bufs, read, write, count)
+    for a, b in parts:
+        carry = moves.store(carry, k, a, o_all[a - lo:b - lo])
+    return carry, bufs, o_all, d_all
 
 
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale, carry,
