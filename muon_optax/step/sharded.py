@@ -143,6 +143,18 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
     return carry, bufs, o_all, d_all
 
 
+def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int, int]]]:
+    """The ``base`` slots of stack ``sp`` in chunks of at most :func:`chunk_bytes`, and
+    with ``loop_bytes`` (0: off) the chunks as equal as their count allows, in runs of
+    equal ones of at most that many bytes (a run of several: one loop)."""
+    matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
+    spans = chunks(sp.base, matrix_bytes, chunk_bytes(plan))
+    if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
+        per = -(-sp.base // len(spans))
+        spans = [(lo, min(lo + per, sp.base)) for lo in range(0, sp.base, per)]
+    return chunk_runs(spans, matrix_bytes, loop_bytes)
+
+
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale, carry,
                 bufs: MuonBuffers, hps, comm: Collectives, count, prev, loop_bytes: int):
     """One stack's owned slots: the first ``base`` batched in chunks of at most
@@ -153,12 +165,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
     Returns the transports' ``carry``, the state buffers, the last direction (to sequence
     the next stack) and the slots' ``<U, O>`` (adaptive)."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
-    matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
-    spans = chunks(sp.base, matrix_bytes, chunk_bytes(plan))
-    if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
-        per = -(-sp.base // len(spans))
-        spans = [(lo, min(lo + per, sp.base)) for lo in range(0, sp.base, per)]
-    for run in chunk_runs(spans, matrix_bytes, loop_bytes):
+    for run in _runs(sp, plan, loop_bytes):
         if len(run) > 1:
             carry, bufs, prev, d = _base_loop(k, sp, plan, moves, scale, carry, bufs, hps,
                                               comm, count, prev, run)
@@ -243,8 +250,11 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
             return tuple(bufs.values()), [out[m.index] for m in plan.muon]
         return run
 
-    bufs, muon_updates = per_platform("loop", tpu=form(LOOP_CHUNKS * chunk_bytes(plan)),
-                                      default=form(0))
+    loop_bytes = LOOP_CHUNKS * chunk_bytes(plan)
+    if all(_runs(sp, plan, loop_bytes) == _runs(sp, plan, 0) for sp in plan.owner.stacks):
+        bufs, muon_updates = form(0)()   # no loop to make: one program everywhere
+    else:
+        bufs, muon_updates = per_platform("loop", tpu=form(loop_bytes), default=form(0))
     for m, u in zip(plan.muon, muon_updates):
         updates[m.index] = u
     return bufs
