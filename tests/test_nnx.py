@@ -195,6 +195,43 @@ def test_mesh_nnx_optimizer_in_the_tpu_forms(one_device, monkeypatch):
         np.testing.assert_allclose(got_params[path], want, rtol=1e-4, atol=1e-5, err_msg=path)
 
 
+def test_mesh_nnx_optimizer_with_tiled_buffers_and_chunk_loops(monkeypatch):
+    """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``) at width
+    128, whose matrices and blocks are whole (8, 128) tiles, with chunks of one
+    (128, 128) matrix: every TPU form forced on XLA:CPU (pieces, barriers, buffers in tile
+    order, a stack's chunks in a loop) trains bit for bit as the CPU form."""
+    from muon_optax.rule import platform
+    from muon_optax.step import rows, sharded
+
+    monkeypatch.setattr(g, "D", 128)
+    monkeypatch.setattr(g, "LAYERS", 4)
+    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 128 * 128)
+    tiled = []
+    real_tiled = rows._tiled
+    monkeypatch.setattr(rows, "_tiled", lambda *a: tiled.append(real_tiled(*a)) or tiled[-1])
+    loops, real_loop = [], sharded._base_loop
+    monkeypatch.setattr(sharded, "_base_loop", lambda *a: loops.append(1) or real_loop(*a))
+
+    def run(forms):
+        with monkeypatch.context() as m:
+            for site in forms:
+                m.setitem(platform.FORCED, site, "tpu")
+            mesh = _mesh((8,), AxisType.Auto)
+            with jax.set_mesh(mesh):
+                model = g.GPT(nnx.Rngs(0))
+                g.place(model, mesh, False)
+                opt = nnx.Optimizer(model, g.make_tx(axis_name=mesh.axis_names, mesh=mesh),
+                                    wrt=nnx.Param)
+                return _train(model, opt, step=g.train_step), _pure_params(model)
+
+    want_losses, want = run(())
+    got_losses, got = run(("exchange", "gather", "order", "tiles", "loop"))
+    assert any(tiled) and loops   # the tile order and the chunks' loop were taken
+    assert got_losses == want_losses
+    for path, x in want.items():
+        np.testing.assert_array_equal(got[path], x, err_msg=path)
+
+
 def test_traced_init_on_auto_mesh_asks_for_param_specs():
     """Where the layout cannot be known (traced on Auto axes, never seen placed), the
     error names param_specs instead of gathering split leaves silently."""
