@@ -38,6 +38,7 @@ TINY = ["--depth", "1", "--seq-len", "16", "--batch-size", "2", "--steps", str(S
         "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "0", "--no-progress"]
 RUN_TIMEOUT_S = 180   # one process, start to end, on a busy 2-core machine
 STOP_TIMEOUT_S = 120  # from the signal to every process's exit
+PAIR_STEPS = 400      # a two-process run long enough that a signal always lands mid-run
 # XLA's quick compile: these tests check the control flow, not the speed of the step.
 FAST_XLA = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 
@@ -171,21 +172,24 @@ def _start_pair(procs, name, out, corpus, *extra):
 
 @pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
 def test_sigint_to_one_of_two_processes_stops_both_at_one_step(procs, tmp_path, corpus):
-    out = tmp_path / "out"
-    pair = _start_pair(procs, "first", out, corpus)
+    # A pair's tiny steps take milliseconds: 40 of them can all be done before the
+    # agreement on a SIGINT reaches both processes. Both halves run PAIR_STEPS, so the
+    # signal always lands mid-run (a resume refuses a changed step count).
+    out, steps = tmp_path / "out", ["--steps", PAIR_STEPS]
+    pair = _start_pair(procs, "first", out, corpus, *steps)
     procs.until(lambda: logged_steps(out) >= 3, pair, RUN_TIMEOUT_S, "two steps")
     os.kill(pair[1].pid, signal.SIGINT)
     assert procs.wait(pair, STOP_TIMEOUT_S) == [130, 130], procs.report(pair)
     stopped_at = int(checkpoints(out)[-1])
-    assert checkpoints(out) == [str(stopped_at)] and 2 <= stopped_at < STEPS
+    assert checkpoints(out) == [str(stopped_at)] and 2 <= stopped_at < PAIR_STEPS
     assert "interrupted (SIGINT on process 1)" in procs.output(pair[0])
     assert read_log(out)[-1]["step"] == stopped_at
 
-    pair = _start_pair(procs, "again", out, corpus, "--resume", "--fsdp")
+    pair = _start_pair(procs, "again", out, corpus, *steps, "--resume", "--fsdp")
     assert procs.wait(pair, RUN_TIMEOUT_S) == [0, 0], procs.report(pair)
     assert (f"(step {stopped_at}; written on 4 devices in 2 processes (ZeRO-2), continued on "
             f"4 devices in 2 processes (FSDP))") in procs.output(pair[0])
-    assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
+    assert [r["step"] for r in read_log(out)] == list(range(PAIR_STEPS + 1))
 
 
 @pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
@@ -193,7 +197,7 @@ def test_a_killed_peer_ends_the_other_in_one_line(procs, tmp_path, corpus):
     """kill -9 of process 1: process 0's next collective fails; it says so in one line
     and exits 1 at once (jax's shutdown would wait minutes for the dead peer)."""
     out = tmp_path / "out"
-    pair = _start_pair(procs, "pair", out, corpus, "--steps", 400, "--ckpt-every", 2)
+    pair = _start_pair(procs, "pair", out, corpus, "--steps", PAIR_STEPS, "--ckpt-every", 2)
     procs.until(lambda: logged_steps(out) >= 3, pair, RUN_TIMEOUT_S, "two steps")
     pair[1].kill()
     assert procs.wait(pair[:1], STOP_TIMEOUT_S) == [1], procs.report(pair[:1])
