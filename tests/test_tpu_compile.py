@@ -154,6 +154,23 @@ def test_transport_buffers_hold_matrices_as_the_tpu_lays_them_out(chips, monkeyp
 
 
 @needs_libtpu
+def test_exchange_pieces_travel_in_whole_tiles(chips, monkeypatch):
+    """The FSDP exchange's pieces go as ``rows.lanes`` lays them out (each chip's row a
+    run of whole tiles), so reading a matrix out of them is a slice: the compiled step
+    has fewer copies than with ``(N, width)`` pieces, whose rows share every tile."""
+    from muon_optax.step import exchange
+
+    def copies():
+        _, hlo, _ = compile_step("fsdp", chips)
+        return len(re.findall(r" copy\(", hlo)), len(re.findall(r" fusion\(", hlo))
+
+    tiles = copies()
+    monkeypatch.setattr(exchange, "lane_of", lambda *sizes: 1)
+    rows = copies()
+    assert tiles[0] < rows[0], (tiles, rows)
+
+
+@needs_libtpu
 def test_fsdp_moves_muon_matrices_by_all_to_all_and_gathers_none(chips):
     params, hlo, ops = compile_step("fsdp", chips)
     assert set(ops) == {"all-to-all"}, ops      # to the owners and back, nothing else

@@ -147,9 +147,37 @@ def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
             for spans in member_spans(channel, k, sp, size)]
 
 
+def lane_of(dtype: Any, *sizes: Any) -> int:
+    """How a device-major buffer's rows go where it is cut into pieces: in units of one
+    TPU tile of ``dtype`` (8 x 128 elements of a 32-bit type, 16 x 128 of a 16-bit one),
+    each row as ``(L / unit, rows, 128)``, where every size and offset in ``sizes`` (ints
+    or arrays of them) is a whole number of tiles; else 1 (each row as it is).
+
+    Why: a TPU holds an array's two minor dimensions in tiles, so in an ``(N, L)`` piece
+    the devices' rows are interleaved in every tile, and reading one device's row is a
+    strided copy; as ``(N, L / unit, rows, 128)`` each row is a run of whole tiles, its
+    elements in order, and a matrix in it is cut out on a dimension the tiles do not
+    touch (a slice of whole tiles, wherever it starts). Elsewhere both are the same
+    bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if itemsize not in (2, 4):
+        return 1
+    unit = _TILE[0] * (4 // itemsize) * _TILE[1]
+    return unit if all((np.asarray(s) % unit == 0).all() for s in sizes) else 1
+
+
+def lanes(x: jax.Array, lane: int) -> jax.Array:
+    """``x`` (last axis ``L`` elements) with its last axis as ``(L / lane, rows, 128)``,
+    units of :func:`lane_of`; ``x`` itself for lane 1."""
+    if lane == 1:
+        return x
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // lane, lane // _TILE[1], _TILE[1]))
+
+
 def span(got: list[jax.Array], bounds: list[tuple[int, int]], d: int, at: int,
-         size: int) -> jax.Array:
-    """Elements ``at .. at+size-1`` of device ``d``'s row, from the gathered pieces."""
-    parts = [got[p][d, max(at, c0) - c0:min(at + size, c1) - c0]
+         size: int, lane: int = 1) -> jax.Array:
+    """Elements ``at .. at+size-1`` of device ``d``'s row, from the gathered pieces (each
+    ``(N, width)``, or as :func:`lanes` lays them out: then so is the result)."""
+    parts = [got[p][d, (max(at, c0) - c0) // lane:(min(at + size, c1) - c0) // lane]
              for p, (c0, c1) in enumerate(bounds) if c0 < at + size and at < c1]
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]

@@ -37,6 +37,8 @@ from muon_optax.step.rows import (
     dynamic_slice,
     dynamic_update,
     flat,
+    lane_of,
+    lanes,
     member_rows,
     member_runs,
     member_spans,
@@ -164,9 +166,14 @@ class GatherSink:
         ``(N, piece)`` rows (on TPU a gathered 1-D buffer cut into rows is a relayout
         copy of all of it). A leaf is read out once the pieces holding its matrices are
         in; each piece is gathered once the previous one is, so that the gathered
-        directions are not all alive at once. The same bytes travel."""
+        directions are not all alive at once. The same bytes travel. Where every cut is
+        whole tiles, each piece goes as :func:`muon_optax.step.rows.lanes` lays it out, so
+        that a matrix is read out of the gathered rows by a slice, not a strided copy."""
         length, piece = self.channel.length, max(1, piece)
         bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
+        stacks = [self.owner.stacks[k].stack for k in self.channel.stacks]
+        lane = lane_of(self.dtype, piece, length, self.channel.offsets,
+                       [st.rows * st.cols for st in stacks])
         ready: dict[int, list] = {}   # piece index -> the members it completes
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
@@ -176,11 +183,11 @@ class GatherSink:
                 ready.setdefault(last, []).append((sp.stack, m, spans, size))
         got, prev, out = [], None, {}
         for p, (c0, c1) in enumerate(bounds):
-            part = after(jax.lax.slice_in_dim(buffer, c0, c1), prev)
+            part = after(lanes(jax.lax.slice_in_dim(buffer, c0, c1), lane), prev)
             got.append(self.comm.gather(part[None], 0))
             prev = got[-1]
             for st, m, spans, size in ready.get(p, []):
-                rows = jnp.stack([span(got, bounds, d, at, size) for d, at in spans])
+                rows = jnp.stack([span(got, bounds, d, at, size, lane) for d, at in spans])
                 out[m.index] = m.from_stored(shaped(rows, (m.batch, st.rows, st.cols)))
         return out
 
