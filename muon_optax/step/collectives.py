@@ -22,7 +22,6 @@ import numpy as np
 
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
-from muon_optax.step.rows import lane_of, lanes
 
 
 def _gather(x: jax.Array, axes: tuple[str, ...], axis: int) -> jax.Array:
@@ -143,18 +142,13 @@ class Collectives:
     def _sum_exchange_pieces(self, rows: list[list[jax.Array]], length: int, piece: int,
                              dtype: Any) -> jax.Array:
         """:meth:`mean_scatter_rows`'s pieces (unscaled sums): each piece's packing waits
-        for the previous piece's sum, so that one piece's buffers are alive at a time.
-        Where the cuts are whole tiles, each row of a piece goes as
-        :func:`muon_optax.step.rows.lanes` lays it out: packing it is then a copy of whole
-        tiles, not a strided write into tiles the devices' rows share."""
+        for the previous piece's sum, so that one piece's buffers are alive at a time."""
         out, prev = [], None
-        lane = lane_of(dtype, piece, length)
         for c0 in range(0, length, max(1, piece)):
             c1 = min(length, c0 + max(1, piece))
-            packed = jnp.stack([after(lanes(row_slice(r, c0, c1, dtype), lane), prev)
-                                for r in rows])
+            packed = jnp.stack([after(row_slice(r, c0, c1, dtype), prev) for r in rows])
             prev = jnp.sum(jax.lax.all_to_all(packed, self.axes, 0, 0, tiled=True), axis=0)
-            out.append(prev.reshape(-1))
+            out.append(prev)
         return jnp.concatenate(out) if len(out) > 1 else out[0]
 
     def _sum_scatter_by_exchange(self, x: jax.Array, axis: int) -> jax.Array:

@@ -55,6 +55,11 @@ from muon_optax.step.rows import (
 # chip left fewer temporaries than pieces of two; on 64 chips a row is about one largest
 # matrix, so pieces of one a chip were the whole buffer (576 MiB packed, again received).
 PIECE_MATRICES = 8
+# The most devices whose gathered directions go in whole tiles (GatherSink._by_pieces).
+# Measured (ZeRO-2 d768x12, v5p): temporaries 469 -> 270 MiB on 16 chips, 436 -> 264 on
+# 32, but 502 -> 798 on 64, where the TPU compiler makes each all-gather over the whole
+# slice an all-reduce (BENCHMARKS.md).
+LANES_MAX_DEVICES = 32
 
 
 def scatter_piece(owner: OwnerPlan) -> int:
@@ -167,13 +172,15 @@ class GatherSink:
         copy of all of it). A leaf is read out once the pieces holding its matrices are
         in; each piece is gathered once the previous one is, so that the gathered
         directions are not all alive at once. The same bytes travel. Where every cut is
-        whole tiles, each piece goes as :func:`muon_optax.step.rows.lanes` lays it out, so
-        that a matrix is read out of the gathered rows by a slice, not a strided copy."""
+        whole tiles (and on at most ``LANES_MAX_DEVICES``), each piece goes as
+        :func:`muon_optax.step.rows.lanes` lays it out, so that a matrix is read out of
+        the gathered rows by a slice, not a strided copy."""
         length, piece = self.channel.length, max(1, piece)
         bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
         stacks = [self.owner.stacks[k].stack for k in self.channel.stacks]
         lane = lane_of(self.dtype, piece, length, self.channel.offsets,
                        [st.rows * st.cols for st in stacks])
+        lane = lane if self.comm.size <= LANES_MAX_DEVICES else 1
         ready: dict[int, list] = {}   # piece index -> the members it completes
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
