@@ -16,6 +16,12 @@ import jax.numpy as jnp
 from muon_optax.rule.platform import per_platform
 
 
+def _first(x: jax.Array) -> jax.Array:
+    """``x``'s first element as a float32 scalar, sliced where it lies: ``x.reshape(-1)``
+    is a relayout copy of all of ``x`` on a TPU, whose arrays are tiled."""
+    return jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).astype(jnp.float32).reshape(())
+
+
 def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
     """``x`` unchanged, but computed only once ``prev`` is.
 
@@ -30,9 +36,7 @@ def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
     """
     if prev is None:
         return x
-    # One element, sliced where it lies: prev.reshape(-1) is a relayout copy of all of
-    # prev on a TPU, whose arrays are tiled.
-    v = jax.lax.slice(prev, (0,) * prev.ndim, (1,) * prev.ndim).astype(jnp.float32).reshape(())
+    v = _first(prev)
     zero = -(jnp.abs(jnp.where(jnp.isfinite(v), v, 0.0)) * 0.0)
     if x.dtype == jnp.float32:
         return x + zero
@@ -62,3 +66,11 @@ def wait_for(xs, *prevs):
         return xs
 
     return per_platform("order", xs, *prevs, tpu=barrier, default=arithmetic)
+
+
+
+def first_elements(xs: list[jax.Array]) -> jax.Array:
+    """A float32 scalar made from one element of each of ``xs``: a value to order a
+    later computation after them all (:func:`after`) that holds none of them whole, as a
+    barrier over them would."""
+    return sum((_first(x) for x in xs), jnp.float32(0))

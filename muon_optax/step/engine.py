@@ -47,6 +47,7 @@ from muon_optax.plan.specs import (
 from muon_optax.plan.warn import warn_if_split
 from muon_optax.rule.adamw import adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
+from muon_optax.rule.order import after, first_elements
 from muon_optax.rule.platform import per_platform
 from muon_optax.step import one_device, sharded
 from muon_optax.step.collectives import Collectives, Cost, pad_to, varying_axes
@@ -166,37 +167,64 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
 
 
 def _late_adamw(plan: TreePlan, comm: Collectives) -> tuple:
-    """The ``mesh=`` form's AdamW leaves that are whole on every device but stepped split
-    over the owner axes: their update is all-gathered whole for ``apply_updates``, so
-    they are stepped after the Muon phase (:func:`_late_adamw_phase`)."""
-    if not (comm.active and comm.grads_reduced) or plan.per_stack_state:
+    """The AdamW leaves that are whole on every device but stepped split over the owner
+    axes (ZeRO-2, and the ``mesh=`` form's replicated leaves): their update is
+    all-gathered whole for ``apply_updates``, so they are stepped after the Muon phase
+    (:func:`_late_adamw_phase`)."""
+    if not comm.active or plan.per_stack_state:
         return ()
     return tuple(a for a in plan.adamw if a.axis is not None and not a.local)
 
 
 def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
-                      leaves, state, scale, updates: list, muon) -> tuple[Any, Any, Any]:
-    """:func:`_adamw_grads` and :func:`_adamw_phase` for the ``late`` leaves, once the
-    Muon phase is through. On TPU their inputs pass an optimization barrier with the Muon
-    phase's results: the compiler otherwise steps them first and may start the gather of
-    each whole update at once, holding it (a whole leaf per chip: 192 MiB for nanochat
-    d768's embedding) through the Muon phase (v5e). Elsewhere the same arithmetic, no
-    barrier. ``leaves``: ``(g_leaves, p_leaves)``; ``state``: the ``(mu, nu)`` trees."""
+                      leaves, reduced: dict, state, scale, updates: list,
+                      muon) -> tuple[Any, Any, Any]:
+    """:func:`_adamw_phase` for the ``late`` leaves, once the Muon phase is through.
+
+    Stepped first, the compiler starts the gather of each whole update at once and holds
+    it through the Muon phase (a whole leaf a chip: 192 MiB for nanochat d768's
+    embedding). So on TPU their inputs pass an optimization barrier with the Muon state,
+    and in the ``mesh=`` form with the Muon updates (split there). ZeRO-2's Muon updates
+    are whole leaves, which a barrier would hold all at once: there the inputs also wait
+    for one element of each (:func:`first_elements`; the Muon state and the inputs of
+    ``apply_updates`` of the Muon leaves are then through before the gathers start,
+    measured: 574 -> 384 MiB of temporaries on v5e 8 chips at d768x12). Elsewhere no
+    barrier, the same arithmetic.
+
+    ``leaves``: ``(g_leaves, p_leaves)``, whole (the ``mesh=`` form slices them here);
+    ``reduced``: ZeRO-2's scaled gradient shares from :func:`_adamw_grads`,
+    reduce-scattered before the Muon phase (the gradient's statistics need them);
+    ``state``: the ``(mu, nu)`` trees."""
     g_leaves, p_leaves = leaves
     mu, nu = (plan.treedef.flatten_up_to(x) for x in state)
-    ins = [(g_leaves[a.index], None if p_leaves is None else p_leaves[a.index],
+    # ZeRO-2's params stay out of the barrier (with one device they are not varying, as
+    # its other inputs are) and are sliced after it.
+    ins = [(reduced[a.index][0], None, mu[a.index], nu[a.index]) if a.index in reduced else
+           (g_leaves[a.index], None if p_leaves is None else p_leaves[a.index],
             mu[a.index], nu[a.index]) for a in late]
-    # The Muon results pass the barrier too and are taken from its outputs: a barrier
-    # output nobody reads may be pruned, and with it the ordering (the last directions
-    # sent back after the gathers).
-    tied = ([updates[m.index] for m in plan.muon], muon)
-    ins, (muon_updates, muon) = per_platform(
-        "late_adamw", ins, tied, default=lambda ins, tied: (ins, tied),
-        tpu=lambda ins, tied: jax.lax.optimization_barrier((ins, tied)))
-    for m, u in zip(plan.muon, muon_updates):
-        updates[m.index] = u
+    # The barrier's outputs are the ones read on: a barrier output nobody reads may be
+    # pruned, and with it the ordering.
+    if comm.grads_reduced:
+        tied = ([updates[m.index] for m in plan.muon], muon)
+        ins, (muon_updates, muon) = per_platform(
+            "late_adamw", ins, tied, default=lambda ins, tied: (ins, tied),
+            tpu=lambda ins, tied: jax.lax.optimization_barrier((ins, tied)))
+        for m, u in zip(plan.muon, muon_updates):
+            updates[m.index] = u
+    else:
+        def zero2_tpu(ins, muon, muon_updates):
+            ins, muon = jax.lax.optimization_barrier((ins, muon))
+            done = first_elements(muon_updates)
+            return jax.tree.map(lambda x: after(x, done), ins), muon
+
+        ins, muon = per_platform(
+            "late_adamw", ins, muon, [updates[m.index] for m in plan.muon],
+            default=lambda ins, muon, _: (ins, muon), tpu=zero2_tpu)
     for a, (g, p, m, v) in zip(late, ins):
-        g = scaled(comm.mean_scatter(pad_to(g, a.padded), a.axis), scale)
+        if a.index in reduced:
+            p = None if p_leaves is None else p_leaves[a.index]
+        else:
+            g = scaled(comm.mean_scatter(pad_to(g, a.padded), a.axis), scale)
         p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
         u, mu[a.index], nu[a.index] = adamw_leaf_update(g, p, m, v, t, hps[a.group],
                                                         cfg=opts.configs[a.group])
@@ -348,7 +376,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     hps = {name: c.at(count) for name, c in opts.configs.items()}
     late = _late_adamw(plan, comm)
     early = dataclasses.replace(plan, adamw=tuple(a for a in plan.adamw if a not in late))
-    adamw_grads = _adamw_grads(early, comm, g_leaves, p_leaves)
+    adamw_grads = _adamw_grads(early if comm.grads_reduced else plan, comm, g_leaves, p_leaves)
     g_view, p_view = _block_views(plan, g_leaves), _block_views(plan, p_leaves)
     owners = comm.active and not plan.per_stack_state
     moves = Transports(plan.owner, g_view, comm) if owners else None
@@ -358,6 +386,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     stats = stats or GradStats(None, None)
     adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
     updates = [None] * len(g_leaves)
+    reduced = {a.index: adamw_grads.pop(a.index) for a in late if a.index in adamw_grads}
     mu, nu = _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, state, updates)
     if moves is None:   # one device: stack -> kernel -> unstack
         muon = one_device.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
@@ -367,7 +396,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
                                   g_view, p_view, state, updates)
     if late:
         mu, nu, muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
-                                         (g_leaves, p_leaves), (mu, nu), stats.scale,
+                                         (g_leaves, p_leaves), reduced, (mu, nu), stats.scale,
                                          updates, muon)
     for m in plan.muon:   # from the block views back to the leaves
         updates[m.index] = updates[m.index].reshape(g_leaves[m.index].shape)
