@@ -185,11 +185,10 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
     it through the Muon phase (a whole leaf a chip: 192 MiB for nanochat d768's
     embedding). So on TPU their inputs pass an optimization barrier with the Muon state,
     and in the ``mesh=`` form with the Muon updates (split there). ZeRO-2's Muon updates
-    are whole leaves, which a barrier would hold all at once: there the inputs also wait
-    for one element of each (:func:`first_elements`; the Muon state and the inputs of
-    ``apply_updates`` of the Muon leaves are then through before the gathers start,
-    measured: 574 -> 384 MiB of temporaries on v5e 8 chips at d768x12). Elsewhere no
-    barrier, the same arithmetic.
+    are whole leaves, which a barrier would hold all at once (d768x12 on v5e 8 chips:
+    759 MiB of temporaries): there the inputs wait for one element of each instead
+    (:func:`first_elements`; 574 -> 384 MiB). Elsewhere neither, the same arithmetic
+    (XLA:CPU's cost analysis counts an element sliced from an update as all of it).
 
     ``leaves``: ``(g_leaves, p_leaves)``, whole (the ``mesh=`` form slices them here);
     ``reduced``: ZeRO-2's scaled gradient shares from :func:`_adamw_grads`,
