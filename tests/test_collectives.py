@@ -289,12 +289,14 @@ def test_directions_sent_back_as_their_stacks_finish(monkeypatch):
     assert 0 < len(after_last) < -(-back.length // width)
 
 
-def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch):
-    """Two steps of ``tpu_compile.build``'s ``contender`` on 4 devices, a model of whole
-    (8, 128) tiles (nanochat's shapes at width 128, 4 layers), every device fed the same
-    gradient, with ``forced`` sites in their TPU form, and chunks of one (128, 128) matrix
-    (so that in the TPU form the attention stack's slots run in a loop); the new params
-    and state, and the lowered program."""
+def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch, n: int = 4,
+               layers: int = 4):
+    """Two steps of ``tpu_compile.build``'s ``contender`` on ``n`` devices, a model of
+    whole (8, 128) tiles (nanochat's shapes at width 128, ``layers`` layers), every
+    device fed the same gradient, with ``forced`` sites in their TPU form, and chunks of
+    one (128, 128) matrix (so that in the TPU form the attention stack's slots run in a
+    loop); the new params and state (unowned slots' state included), and the lowered
+    program."""
     import muon_optax
     from benchmarks import common, tpu_compile
     from muon_optax.rule import platform
@@ -303,9 +305,9 @@ def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch):
     for site in forced:
         monkeypatch.setitem(platform.FORCED, site, "tpu")
     monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 128 * 128)
-    params = common.nanochat_params(128, 4, 256)
+    params = common.nanochat_params(128, layers, 256)
     grads = common.random_grads(params)
-    fn, (p_abs, s_abs, g_abs), tx, _ = tpu_compile.build(contender, params, jax.devices()[:4])
+    fn, (p_abs, s_abs, g_abs), tx, _ = tpu_compile.build(contender, params, jax.devices()[:n])
 
     def put(tree, like):
         return jax.tree.map(lambda x, a: jax.device_put(
@@ -346,3 +348,25 @@ def test_tpu_forms_with_tiled_buffers_and_loops_equal_the_cpu_form(monkeypatch, 
     for a, b, c in zip(want, rows, tiles):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("contender,n,layers", [("zero2", 3, 4), ("fsdp", 4, 6)])
+def test_tpu_form_runs_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch, contender, n,
+                                                                  layers):
+    """A stack whose last chunk is a lone matrix and that has a slot some devices do not
+    own (on 3 devices 16 attention matrices, 5 each and one more on one device; 4 MLP
+    matrices of a shape, 1 and one more; on 4 devices 6 MLP matrices, 1 and one more).
+    The CPU form skips that slot under a ``cond`` where not owned; the TPU form runs it
+    in a loop with the chunk, its state and direction kept as they were where not owned.
+    The same steps, the unowned slots' state included, to rounding: XLA:CPU fuses the
+    kernel inside a ``cond`` otherwise (1.5e-8 apart in the params after two steps; an
+    unmasked state is 0.1 off)."""
+    sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop")
+    with monkeypatch.context() as m:
+        want, cpu_hlo = _two_steps(contender, (), m, n=n, layers=layers)
+    with monkeypatch.context() as m:
+        got, tpu_hlo = _two_steps(contender, sites, m, n=n, layers=layers)
+    conds = [h.count("stablehlo.case") + h.count("stablehlo.if") for h in (cpu_hlo, tpu_hlo)]
+    assert conds[1] < conds[0], conds
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
