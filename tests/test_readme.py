@@ -193,3 +193,24 @@ def test_testing_guide_chex_test_runs_and_shift_is_only_noise():
     assert float(np.abs(grad["shift"]).max()) < 1e-8
     apart = np.asarray(ns["eight"]["shift"]) - np.asarray(ns["one"]["shift"])
     assert float(np.abs(apart).max()) > 1e-4
+
+
+def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch):
+    """The ZeRO-2 snippet as pasted (``jax.grad`` inside the ``shard_map``'d step) with
+    every TPU form forced on XLA:CPU: its embedding, split over the devices, is stepped
+    after the Muon matrices and waits for an element of each Muon update (the barrier
+    and ordering the TPU compiler gets); the step is the CPU form's, bit for bit."""
+    from muon_optax.rule import order, platform
+    from muon_optax.step import engine
+
+    code = block("state = jax.jit(jax.shard_map(tx.init")
+    want = run(code)["params"]
+    waited = []
+    monkeypatch.setattr(engine, "first_elements",
+                        lambda xs: waited.append(len(xs)) or order.first_elements(xs))
+    for site in ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop"):
+        monkeypatch.setitem(platform.FORCED, site, "tpu")
+    got = run(code)["params"]
+    assert waited == [2]              # after w1's and w2's updates
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)

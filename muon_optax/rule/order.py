@@ -68,7 +68,6 @@ def wait_for(xs, *prevs):
     return per_platform("order", xs, *prevs, tpu=barrier, default=arithmetic)
 
 
-
 def first_elements(xs: list[jax.Array]) -> jax.Array:
     """A float32 scalar made from one element of each of ``xs``: a value to order a
     later computation after them all (:func:`after`) that holds none of them whole, as a

@@ -198,7 +198,7 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
     mu, nu = (plan.treedef.flatten_up_to(x) for x in state)
     # ZeRO-2's params stay out of the barrier (with one device they are not varying, as
     # its other inputs are) and are sliced after it.
-    ins = [(reduced[a.index][0], None, mu[a.index], nu[a.index]) if a.index in reduced else
+    ins = [(reduced[a.index], None, mu[a.index], nu[a.index]) if a.index in reduced else
            (g_leaves[a.index], None if p_leaves is None else p_leaves[a.index],
             mu[a.index], nu[a.index]) for a in late]
     # The barrier's outputs are the ones read on: a barrier output nobody reads may be
@@ -385,7 +385,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     stats = stats or GradStats(None, None)
     adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
     updates = [None] * len(g_leaves)
-    reduced = {a.index: adamw_grads.pop(a.index) for a in late if a.index in adamw_grads}
+    reduced = {a.index: adamw_grads.pop(a.index)[0] for a in late if a.index in adamw_grads}
     mu, nu = _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, state, updates)
     if moves is None:   # one device: stack -> kernel -> unstack
         muon = one_device.muon_phase(plan, opts.configs, hps, count, g_view, p_view,

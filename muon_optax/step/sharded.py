@@ -91,24 +91,12 @@ def _skipped(g, state: MuonStackState, dtype, leaf_scaled: bool):
     return varying(jnp.zeros(g.shape, dtype)), state, varying(d) if leaf_scaled else d
 
 
-def _owned(sp: StackPlan, comm: Collectives, j, n: int = 1):
-    """Whether this device owns slot ``j`` (a traced bool), or with ``n > 1`` each of
-    slots ``j .. j+n-1`` (``(n, 1, 1)``); None where every device owns them all."""
-    if isinstance(j, int) and j + n <= sp.base:
+def _owned(sp: StackPlan, comm: Collectives, j):
+    """Whether this device owns slot ``j`` (a traced bool); None where every device
+    does."""
+    if isinstance(j, int) and j < sp.base:
         return None
-    slots = j + jnp.arange(n).reshape(n, 1, 1) if n > 1 else j
-    return slots < comm.pick(sp.counts)
-
-
-def _masked(owned, new: MuonStackState | None, old: MuonStackState | None, o, d):
-    """A chunk's results where this device owns its slots: elsewhere the state as it
-    was, a zero direction and ``<U, O>`` (as :func:`_skipped` gives)."""
-    if owned is None:
-        return new, o, d
-    if new is not None:
-        new = MuonStackState(*(jnp.where(owned, a, b) for a, b in zip(new, old)))
-    o = jnp.where(owned, o, jnp.zeros_like(o))
-    return new, o, None if d is None else jnp.where(owned, d, jnp.zeros_like(d))
+    return j < comm.pick(sp.counts)
 
 
 def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hp, comm,
@@ -155,8 +143,9 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
         return _read_state(bufs, start(j), per, sp)
 
     def write(bufs, j, new, o):
-        if extra:
-            new, _, _ = _masked(_owned(sp, comm, lo + j), new, read(bufs, j), o, None)
+        if extra:   # where not owned, the state as it was (as _skipped keeps it)
+            owned = _owned(sp, comm, lo + j)
+            new = jax.tree.map(lambda a, b: jnp.where(owned, a, b), new, read(bufs, j))
         m, s = start(j)
         return MuonBuffers(_write(bufs.momentum, m, new.momentum),
                            _write(bufs.second_moment, s, new.second_moment, o))
@@ -165,9 +154,8 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
                                         per, matrix_hparams(st, hps, sp.slots[:, lo:lo + n],
                                                             comm.pick),
                                         bufs, read, write, count)
-    if extra:
-        owned = _owned(sp, comm, lo, n)
-        _, o_all, d_all = _masked(owned, None, None, o_all, d_all)
+    # An unowned slot's direction and <U, O> are never read: its store keeps what is
+    # there, and _leaf_duals reads owned slots only.
     for a, b in parts:
         carry = moves.store(carry, k, a, o_all[a - lo:b - lo], _owned(sp, comm, a))
     return carry, bufs, o_all, d_all
