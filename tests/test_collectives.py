@@ -290,13 +290,13 @@ def test_directions_sent_back_as_their_stacks_finish(monkeypatch):
 
 
 def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch, n: int = 4,
-               layers: int = 4):
+               layers: int = 4, chunk: int = 1):
     """Two steps of ``tpu_compile.build``'s ``contender`` on ``n`` devices, a model of
     whole (8, 128) tiles (nanochat's shapes at width 128, ``layers`` layers), every
     device fed the same gradient, with ``forced`` sites in their TPU form, and chunks of
-    one (128, 128) matrix (so that in the TPU form the attention stack's slots run in a
-    loop); the new params and state (unowned slots' state included), and the lowered
-    program."""
+    ``chunk`` (128, 128) matrices (one: in the TPU form the attention stack's slots run
+    in a loop); the new params and state (unowned slots' state included), and the
+    lowered program."""
     import muon_optax
     from benchmarks import common, tpu_compile
     from muon_optax.rule import platform
@@ -304,7 +304,7 @@ def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch, n: int = 4,
 
     for site in forced:
         monkeypatch.setitem(platform.FORCED, site, "tpu")
-    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 128 * 128)
+    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: chunk * 4 * 128 * 128)
     params = common.nanochat_params(128, layers, 256)
     grads = common.random_grads(params)
     fn, (p_abs, s_abs, g_abs), tx, _ = tpu_compile.build(contender, params, jax.devices()[:n])
@@ -368,5 +368,57 @@ def test_tpu_form_runs_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch, con
         got, tpu_hlo = _two_steps(contender, sites, m, n=n, layers=layers)
     conds = [h.count("stablehlo.case") + h.count("stablehlo.if") for h in (cpu_hlo, tpu_hlo)]
     assert conds[1] < conds[0], conds
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_tpu_form_cuts_a_stack_into_equal_chunks_a_little_over_the_budget():
+    """On TPU a stack's slots every device owns go in equal chunks, so that one kernel
+    runs them all: chunks as equal as their count allows (6 slots at 4 a chunk: 3 and
+    3), else a divisor of the slots up to half as large again as the budget's chunk (10
+    at 4: 5 and 5, not 4, 4 and 2), else as before (7 at 4: 4 and 3). Elsewhere chunks
+    of the budget."""
+    from types import SimpleNamespace
+
+    from muon_optax.step import sharded
+
+    def runs(base, cap, loop):
+        sp = SimpleNamespace(base=base, num_slots=base, stack=SimpleNamespace(rows=8, cols=8))
+        matrix = 4 * 8 * 8
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(sharded, "chunk_bytes", lambda plan: cap * matrix)
+            return sharded._runs(sp, None, 4 * cap * matrix if loop else 0)
+
+    assert runs(6, 4, True) == [[(0, 3), (3, 6)]]
+    assert runs(10, 4, True) == [[(0, 5), (5, 10)]]
+    assert runs(5, 4, True) == [[(0, 5)]]
+    assert runs(7, 4, True) == [[(0, 4)], [(4, 7)]]
+    assert runs(10, 4, False) == [[(0, 4)], [(4, 8)], [(8, 10)]]
+
+
+@pytest.mark.parametrize("contender", ["zero2", "fsdp"])
+def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, contender):
+    """On 4 devices with 10 layers: 10 attention matrices a device, in chunks of 5 on
+    TPU where the CPU form has 4, 4 and 2; the MLP's 10 matrices of a shape, 2 in a loop
+    and one more under a ``cond`` on half the devices (its new momentum not ordered
+    after ``U`` on TPU). The same steps as the CPU form, to rounding (the kernel inside
+    a ``cond`` fuses otherwise)."""
+    from muon_optax.step import sharded
+
+    sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop")
+    with monkeypatch.context() as m:
+        want, cpu_hlo = _two_steps(contender, (), m, layers=10, chunk=4)
+    loops, kernel_in_loop = [], sharded.kernel_in_loop
+
+    def spy(stack, g_all, per, *args):
+        loops.append((stack.rows, stack.cols, g_all.shape[0], per))
+        return kernel_in_loop(stack, g_all, per, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(sharded, "kernel_in_loop", spy)
+        got, tpu_hlo = _two_steps(contender, sites, m, layers=10, chunk=4)
+    assert (128, 128, 10, 5) in loops and (128, 512, 2, 1) in loops, loops
+    conds = [h.count("stablehlo.case") + h.count("stablehlo.if") for h in (cpu_hlo, tpu_hlo)]
+    assert conds[1] > 0 and conds[0] > 0, conds
     for a, b in zip(want, got):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -92,10 +92,11 @@ class ContribConfig:
         return math.sqrt(max(rows, cols)) * self.consistent_rms
 
     def step(self, g: jax.Array, state: muon.MuonStackState, hp: Mapping[str, Any],
-             count: jax.Array, dtype: Any
+             count: jax.Array, dtype: Any, *, order: bool = True
              ) -> tuple[jax.Array, muon.MuonStackState, jax.Array | None]:
         """:func:`muon_optax.rule.muon.muon_step`'s contract (the second moment kept as
-        is), and with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before."""
+        is), and with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before;
+        ``order``: as there."""
         f32, mu, layout = jnp.float32, hp["momentum"], state.momentum.shape
         g32 = g.astype(f32)
         if not self.adam:
@@ -114,7 +115,7 @@ class ContribConfig:
         # <U, O> estimates the nuclear norm of U (exact for its polar factor O): O <U, O>
         # is steepest descent under the spectral norm (arXiv:2409.20325)
         d = jnp.sum(u * o.astype(f32), axis=(-2, -1), keepdims=True) if self.adaptive else None
-        return o, muon.MuonStackState(after(stored, u), state.second_moment), d
+        return o, muon.MuonStackState(after(stored, u if order else None), state.second_moment), d
 
     def leaf_update(self, o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array,
                     *, rows: int, cols: int) -> jax.Array:

@@ -157,7 +157,8 @@ def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
 
 
 def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
-              count: jax.Array, dtype: Any) -> tuple[jax.Array, MuonStackState, None]:
+              count: jax.Array, dtype: Any, *, order: bool = True
+              ) -> tuple[jax.Array, MuonStackState, None]:
     """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)`` (:meth:`MuonConfig.step`):
     the direction ``O`` (``dtype``, the parameter dtype), the new state and None (nothing
     summed over a leaf). ``count`` is unused (nanochat's momentum has no bias correction).
@@ -167,7 +168,8 @@ def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[
     a bool, or ``(K,)``). ``state.momentum`` may come in any layout of ``g``'s size (the
     engine hands its flat state buffer on one device, so that XLA updates it in place);
     the new momentum comes back in that layout, computed only once ``U`` is, so that it
-    can overwrite the old buffer. Zero padding stays exactly zero.
+    can overwrite the old buffer (``order=False``: as soon as it can be, where the
+    caller's own write orders it). Zero padding stays exactly zero.
 
     Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
     column, so each side of the polar iteration is one pass of statistics and one
@@ -175,12 +177,13 @@ def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[
     """
     f32, (rows, cols), transposed = jnp.float32, g.shape[-2:], hp["transposed"]
     stored, u = momentum(g.astype(f32), state.momentum, hp["momentum"], nesterov=cfg.nesterov)
+    wait = u if order else None
     o = orthogonalized(u, transposed, cfg, dtype).astype(f32)
     if not cfg.normuon:
         if cfg.renormalize:  # Muon+ alone
             fro = jnp.sqrt(jnp.sum(o * o, axis=(-2, -1), keepdims=True))
             o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6))
-        return o.astype(dtype), MuonStackState(after(stored, u), state.second_moment), None
+        return o.astype(dtype), MuonStackState(after(stored, wait), state.second_moment), None
 
     # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
     # the matrix's overall norm is kept. Muon+ (O * sqrt(min(R, C)) / ||O||_F) scales
@@ -199,7 +202,7 @@ def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[
     step = jax.lax.rsqrt(jnp.maximum(s.astype(f32), 1e-10))
     v_norm_new = jnp.sqrt(jnp.sum(v * n * step * step, axis=(-2, -1), keepdims=True))
     o = o * (r * step * (v_norm / jnp.maximum(v_norm_new, 1e-10)))
-    return o.astype(dtype), MuonStackState(after(stored, u), s), None
+    return o.astype(dtype), MuonStackState(after(stored, wait), s), None
 
 
 def matrix_lr_scale(rows: int, cols: int) -> float:

@@ -72,10 +72,15 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
-def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype):
+def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order: bool):
     """:func:`muon_optax.rule.muon.muon_step` on one slot a device may not own (the branch of
-    a ``lax.cond``): ``<U, O>`` zeros without ``leaf_scaled``, as :func:`_skipped` gives."""
-    o, state, d = cfg.step(g, state, hp, count, dtype)
+    a ``lax.cond``): ``<U, O>`` zeros without ``leaf_scaled``, as :func:`_skipped` gives.
+
+    The branch's new momentum is a value of its own, written after the ``cond``, so
+    nothing needs it ordered after ``U`` (``order``); on TPU ordering it cost a kernel
+    a shape (nanochat d1280x20, FSDP on v5p 8 chips: 238 -> 232 kernels, 2 s less
+    building them). Elsewhere it stays, XLA:CPU's program as it was."""
+    o, state, d = cfg.step(g, state, hp, count, dtype, order=order)
     return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
 
@@ -176,7 +181,10 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
     spans = chunks(sp.base, matrix_bytes, chunk_bytes(plan))
     if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
-        per = -(-sp.base // len(spans))
+        per, cap = -(-sp.base // len(spans)), spans[0][1] - spans[0][0]
+        if sp.base % per:   # 10 in chunks of 5 and 5, not 4, 4 and 2: one kernel
+            per = min([d for d in range(cap, cap + cap // 2 + 1) if sp.base % d == 0],
+                      default=per)
         spans = [(lo, min(lo + per, sp.base)) for lo in range(0, sp.base, per)]
     runs = chunk_runs(spans, matrix_bytes, loop_bytes)
     if loop_bytes and sp.num_slots > sp.base and runs and runs[-1] == [(sp.base - 1, sp.base)]:
@@ -215,7 +223,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
         (g, carry), state = moves.load(carry, k, j, 1, prev, scale), _read_state(bufs, at, 1, sp)
         hp = matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
         o, state, d = jax.lax.cond(
-            owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype),
+            owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype, not loop_bytes),
             lambda g, s: _skipped(g, s, dtype, cfg.leaf_scaled), g, state)
         # Unchanged where not owned.
         bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
