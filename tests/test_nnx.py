@@ -195,12 +195,33 @@ def test_mesh_nnx_optimizer_in_the_tpu_forms(one_device, monkeypatch):
         np.testing.assert_allclose(got_params[path], want, rtol=1e-4, atol=1e-5, err_msg=path)
 
 
+# Every TPU form of the sharded step (pieces, barriers, tile order, chunk loops).
+TPU_FORMS = ("exchange", "gather", "order", "tiles", "loop")
+
+
+def _fsdp_training(monkeypatch, forms, n):
+    """The README's FSDP run (``nnx.Optimizer``, ``nnx.value_and_grad``, ``mesh=``) on
+    ``n`` devices with the sites ``forms`` in their TPU form (forced on XLA:CPU): its
+    losses and params."""
+    from muon_optax.rule import platform
+
+    with monkeypatch.context() as m:
+        for site in forms:
+            m.setitem(platform.FORCED, site, "tpu")
+        mesh = _mesh((n,), AxisType.Auto)
+        with jax.set_mesh(mesh):
+            model = g.GPT(nnx.Rngs(0))
+            g.place(model, mesh, False)
+            opt = nnx.Optimizer(model, g.make_tx(axis_name=mesh.axis_names, mesh=mesh),
+                                wrt=nnx.Param)
+            return _train(model, opt, step=g.train_step), _pure_params(model)
+
+
 def test_mesh_nnx_optimizer_with_tiled_buffers_and_chunk_loops(monkeypatch):
     """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``) at width
     128, whose matrices and blocks are whole (8, 128) tiles, with chunks of one
     (128, 128) matrix: every TPU form forced on XLA:CPU (pieces, barriers, buffers in tile
     order, a stack's chunks in a loop) trains bit for bit as the CPU form."""
-    from muon_optax.rule import platform
     from muon_optax.step import rows, sharded
 
     monkeypatch.setattr(g, "D", 128)
@@ -212,20 +233,8 @@ def test_mesh_nnx_optimizer_with_tiled_buffers_and_chunk_loops(monkeypatch):
     loops, real_loop = [], sharded._base_loop
     monkeypatch.setattr(sharded, "_base_loop", lambda *a: loops.append(1) or real_loop(*a))
 
-    def run(forms):
-        with monkeypatch.context() as m:
-            for site in forms:
-                m.setitem(platform.FORCED, site, "tpu")
-            mesh = _mesh((8,), AxisType.Auto)
-            with jax.set_mesh(mesh):
-                model = g.GPT(nnx.Rngs(0))
-                g.place(model, mesh, False)
-                opt = nnx.Optimizer(model, g.make_tx(axis_name=mesh.axis_names, mesh=mesh),
-                                    wrt=nnx.Param)
-                return _train(model, opt, step=g.train_step), _pure_params(model)
-
-    want_losses, want = run(())
-    got_losses, got = run(("exchange", "gather", "order", "tiles", "loop"))
+    want_losses, want = _fsdp_training(monkeypatch, (), 8)
+    got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 8)
     assert any(tiled) and loops   # the tile order and the chunks' loop were taken
     assert got_losses == want_losses
     for path, x in want.items():
@@ -239,7 +248,6 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     masked where not owned, not a ``cond`` of its own; training follows the CPU form to
     rounding (XLA:CPU fuses the kernel inside a ``cond`` otherwise; three steps carry it
     to 3e-7). The unowned slots' state is checked in tests/test_collectives.py."""
-    from muon_optax.rule import platform
     from muon_optax.step import sharded
 
     monkeypatch.setattr(g, "D", 128)
@@ -249,25 +257,41 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     monkeypatch.setattr(sharded, "_owned",
                         lambda sp, comm, j: masked.append(j) or real_owned(sp, comm, j))
 
-    def run(forms):
-        with monkeypatch.context() as m:
-            for site in forms:
-                m.setitem(platform.FORCED, site, "tpu")
-            mesh = _mesh((4,), AxisType.Auto)
-            with jax.set_mesh(mesh):
-                model = g.GPT(nnx.Rngs(0))
-                g.place(model, mesh, False)
-                opt = nnx.Optimizer(model, g.make_tx(axis_name=mesh.axis_names, mesh=mesh),
-                                    wrt=nnx.Param)
-                return _train(model, opt, step=g.train_step), _pure_params(model)
-
-    want_losses, want = run(())
+    want_losses, want = _fsdp_training(monkeypatch, (), 4)
     masked.clear()   # (the CPU run traces the TPU form too, lax.platform_dependent)
-    got_losses, got = run(("exchange", "gather", "order", "tiles", "loop"))
+    got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 4)
     assert any(isinstance(j, jax.Array) for j in masked)   # the loop's masked slot
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for path, x in want.items():
         # a cautious-decay mask flipped by rounding moves an element by lr wd |p| (1.1e-4)
+        np.testing.assert_allclose(got[path], x, rtol=1e-4, atol=2e-4, err_msg=path)
+
+
+def test_mesh_nnx_optimizer_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch):
+    """The README's FSDP run on 4 devices with 10 layers and chunks of four (128, 128)
+    matrices. In the TPU forms (forced on XLA:CPU) each device's 10 attention matrices
+    of a stack go in one loop of two chunks of 5 (the CPU form: 4, 4 and 2), and the
+    MLP slot that half the devices own stays under a ``cond``, its new momentum not
+    ordered after ``U``. Training follows the CPU form to rounding."""
+    from muon_optax.step import sharded
+
+    monkeypatch.setattr(g, "D", 128)
+    monkeypatch.setattr(g, "LAYERS", 10)
+    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 4 * 128 * 128)
+    loops, real_loop = [], sharded.kernel_in_loop
+    monkeypatch.setattr(sharded, "kernel_in_loop", lambda st, g_all, per, *a: loops.append(
+        (st.rows, st.cols, g_all.shape[0], per)) or real_loop(st, g_all, per, *a))
+    orders, real_step = [], sharded._owned_slot
+    monkeypatch.setattr(sharded, "_owned_slot",
+                        lambda *a: orders.append(a[-1]) or real_step(*a))
+
+    want_losses, want = _fsdp_training(monkeypatch, (), 4)
+    loops.clear(), orders.clear()   # (the CPU run traces the TPU form too)
+    got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 4)
+    assert (128, 128, 10, 5) in loops, loops
+    assert False in orders, orders
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    for path, x in want.items():
         np.testing.assert_allclose(got[path], x, rtol=1e-4, atol=2e-4, err_msg=path)
 
 

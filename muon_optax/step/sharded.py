@@ -219,10 +219,9 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
         carry, bufs, prev, d = _base_slots(k, sp, plan, moves, scale, carry, bufs, hp, comm,
                                            count, prev, lo, hi - lo)
         duals.append(d)
-    counts = comm.pick(sp.counts)
     in_runs = max([sp.base] + [run[-1][1] for run in runs])
     for j in range(in_runs, sp.num_slots):
-        owned = counts > j
+        owned = _owned(sp, comm, j)
         at = _state_at(k, sp, plan, comm, j)
         (g, carry), state = moves.load(carry, k, j, 1, prev, scale), _read_state(bufs, at, 1, sp)
         hp = matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
