@@ -4,9 +4,8 @@
     m = lerp(m, g, 1 - b1);  v = lerp(v, g^2, 1 - b2)
     p = p - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
-All arithmetic is float32 whatever the parameter dtype; the moments are stored in the
-parameter's dtype, and the new parameter is rounded to it once (see
-:func:`update_in_param_dtype`). ``optax.adamw`` computes the same function.
+Arithmetic in float32, moments stored in the parameter's dtype, the new parameter
+rounded to it once (:func:`update_in_param_dtype`). ``optax.adamw`` computes the same.
 """
 
 from __future__ import annotations
@@ -21,17 +20,9 @@ if TYPE_CHECKING:  # the config imports the kernels, not the other way
 
 
 def update_in_param_dtype(p32: jax.Array, update32: jax.Array, dtype) -> jax.Array:
-    """``P_new - P`` in the parameter dtype, such that ``P + update`` rounds only once.
-
-    The rule computes ``P_new`` in float32 and rounds it once to the parameter dtype. An
-    update cast to bf16 and then added by ``optax.apply_updates`` is rounded twice
-    (``u``, then ``P + u``): 0.2% to 5% of the elements of a bf16 step ended one ulp
-    off. So below float32 the new parameter is rounded once here and the update is the
-    difference of two numbers of that dtype, taken in float32: exact in the dtype
-    whenever ``P_new`` is within a factor 2 of ``P`` (Sterbenz), so ``apply_updates``
-    gives ``P_new`` back bit for bit. The update keeps the parameter's dtype (no float32
-    copy of every update). float32 updates are returned as computed.
-    """
+    """``P_new - P`` in the parameter dtype, such that ``P + update`` rounds only once:
+    below float32, ``P_new`` is rounded here and the difference is exact whenever it is
+    within a factor 2 of ``P`` (Sterbenz), where a bf16 update would round twice."""
     dtype = jnp.dtype(dtype)
     if jnp.finfo(dtype).bits >= 32:
         return update32.astype(dtype)
@@ -45,29 +36,19 @@ def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
     return cfg.at(count)
 
 
-def adamw_leaf_update(
-    g: jax.Array, p: jax.Array | None, m: jax.Array, v: jax.Array, t: jax.Array,
-    hp: dict[str, jax.Array], *, cfg: AdamWConfig | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One AdamW step on a parameter (or a slice of one): ``(update, m, v)``.
-
-    ``t`` is the 1-based step number. ``p`` may be None when weight decay is off. The
-    update is ``p_new - p`` in the parameter's dtype; ``m`` and ``v`` keep their dtypes.
-
-    optax's options: ``hp["eps_root"]`` (if present) goes under the root,
-    ``sqrt(v_hat + eps_root)``; ``cfg.nesterov`` replaces ``m / (1 - b1^t)`` by
-    Nesterov's look-ahead ``b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)``;
-    ``cfg.optax_ema`` computes the moments as optax does, ``m = (1 - b1) g + b1 m``
-    with the product ``b1 m`` in ``m``'s dtype (not float32 for a bfloat16 ``m``) and
-    ``1 - b1`` from the exact constant (likewise ``v``).
-    """
-    f32 = jnp.float32
-    lr, b1, b2 = hp["lr"], hp["b1"], hp["b2"]
-    nesterov = cfg is not None and cfg.nesterov
+def adamw_leaf_update(g: jax.Array, p: jax.Array | None, m: jax.Array, v: jax.Array,
+                      t: jax.Array, hp: dict[str, jax.Array], *, cfg: AdamWConfig | None = None
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One AdamW step on a parameter or a slice: ``(update, m, v)``. ``t``: the 1-based
+    step; ``p`` None: no weight decay. optax's options: ``hp["eps_root"]`` under the root;
+    ``cfg.nesterov``: ``b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)`` for
+    ``m / (1 - b1^t)``; ``cfg.optax_ema``: ``m = (1 - b1) g + b1 m``, ``b1 m`` in ``m``'s
+    dtype (likewise ``v``)."""
+    f32, lr, b1, b2 = jnp.float32, hp["lr"], hp["b1"], hp["b2"]
     g32 = g.astype(f32)
     if cfg is not None and cfg.optax_ema:
         # 1 - b from the exact constant: float32's 1 - f32(b) is off by an ulp of b,
-        # 1e-5 of 1 - b for b2 = 0.999, and flips bf16 roundings of m.
+        # which flips bf16 roundings of m.
         c1, c2 = (1.0 - b if isinstance(b, float) else 1 - hp_b
                   for b, hp_b in ((cfg.b1, b1), (cfg.b2, b2)))
         m32 = c1 * g32 + (b1.astype(m.dtype) * m).astype(f32)
@@ -79,7 +60,7 @@ def adamw_leaf_update(
     v_hat = v32 / (1 - b2**t)
     if "eps_root" in hp:
         v_hat = v_hat + hp["eps_root"]
-    if nesterov:
+    if cfg is not None and cfg.nesterov:
         m_hat = b1 * m32 / (1 - b1 ** (t + 1)) + (1 - b1) * g32 / (1 - b1**t)
         step = lr * m_hat / (jnp.sqrt(v_hat) + hp["eps"])
     else:

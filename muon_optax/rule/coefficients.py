@@ -1,6 +1,5 @@
-"""The polar iteration's coefficients: each step's ``(a, b, c)`` of
-``X <- a X + b (X X^T) X + c (X X^T)^2 X``, the published tables and how a user names one
-(a preset, a triple repeated, or a table with a row per step).
+"""The polar iteration's coefficients, each step's ``(a, b, c)`` of
+``X <- a X + b (X X^T) X + c (X X^T)^2 X``: the published tables and how a user names one.
 """
 
 from __future__ import annotations
@@ -12,9 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-# Polar Express coefficients for 5 iterations (safety factor 2e-2, cushion 2), as given
-# in the paper and used by nanochat. Iteration k uses the k-th triple (a, b, c).
-POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
+Coeffs = tuple[tuple[float, float, float], ...]
+
+# Polar Express's 5 iterations (safety factor 2e-2, cushion 2), as in the paper and nanochat.
+POLAR_EXPRESS_COEFFS: Coeffs = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
     (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
@@ -22,15 +22,13 @@ POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 
-
-# Keller Jordan's quintic Newton-Schulz triple (modded-nanogpt), repeated every step:
-# the steepest slope at zero that still keeps the singular values near one (they end
-# in about [0.7, 1.2], not at 1). optax.contrib.muon's default ("standard").
-QUINTIC_COEFFS: tuple[tuple[float, float, float], ...] = ((3.4445, -4.7750, 2.0315),)
-
+# Keller Jordan's quintic Newton-Schulz triple (modded-nanogpt), repeated every step: the
+# steepest slope at zero that keeps the singular values near one (in about [0.7, 1.2]).
+# optax.contrib.muon's default ("standard").
+QUINTIC_COEFFS: Coeffs = ((3.4445, -4.7750, 2.0315),)
 
 # Dion's five-step table (Ahn et al., arXiv:2504.05295), optax.contrib.muon's "dion".
-DION_COEFFS: tuple[tuple[float, float, float], ...] = (
+DION_COEFFS: Coeffs = (
     (4.0848, -6.8946, 2.9270),
     (3.9505, -6.3029, 2.6377),
     (3.7418, -5.5913, 2.3037),
@@ -38,22 +36,14 @@ DION_COEFFS: tuple[tuple[float, float, float], ...] = (
     (2.8366, -3.0525, 1.2012),
 )
 
-
-# Presets of muon_optax.muon: a table runs its first ns_steps rows; a one-row preset
-# repeats its triple ns_steps times.
-NS_COEFF_PRESETS: dict[str, tuple[tuple[float, float, float], ...]] = {
-    "polar_express": POLAR_EXPRESS_COEFFS,
-    "quintic": QUINTIC_COEFFS,
-}
+# muon_optax.muon's presets (see ns_coefficients)
+NS_COEFF_PRESETS: dict[str, Coeffs] = {"polar_express": POLAR_EXPRESS_COEFFS,
+                                       "quintic": QUINTIC_COEFFS}
 
 
 def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
-    """``ns_steps`` is a static int in 1..5 (Python or NumPy): it sets the program's length.
-
-    A JAX array is refused even when concrete: ``optax.inject_hyperparams`` turns every
-    number it is given into one, traced under jit, so it must be told to leave
-    ``ns_steps`` alone.
-    """
+    """``ns_steps`` as a static int in 1..5: it sets the program's length. A JAX array is
+    refused even when concrete, as ``optax.inject_hyperparams`` makes one (traced)."""
     if isinstance(ns_steps, jax.Array):
         raise TypeError(
             f"{where}: ns_steps must be a Python int in 1..5, got a JAX array "
@@ -73,16 +63,9 @@ def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
     return ns_steps
 
 
-Coeffs = tuple[tuple[float, float, float], ...]
-
-
 def coefficient_rows(ns_coeffs: Any, where: str,
                      presets: dict[str, Coeffs] | None = None) -> tuple[Coeffs, bool]:
-    """``(rows, is_table)`` of a preset name, a triple ``(a, b, c)`` or an ``(n, 3)`` table.
-
-    A preset is a table unless it has one row (then it is a triple, repeated). Raises a
-    ``ValueError`` naming ``where`` for an unknown preset or a malformed shape.
-    """
+    """``(rows, is_table)`` of a preset name, a triple ``(a, b, c)`` or an ``(n, 3)`` table."""
     presets = NS_COEFF_PRESETS if presets is None else presets
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in presets:
@@ -108,12 +91,8 @@ def coefficient_rows(ns_coeffs: Any, where: str,
 
 
 def ns_coefficients(ns_coeffs: Any, ns_steps: object, where: str = "muon") -> Coeffs:
-    """The ``(a, b, c)`` of each of the ``ns_steps`` iterations, for ``muon``'s options.
-
-    A triple (or one-row preset, ``"quintic"``) is repeated ``ns_steps`` times; a table
-    (``"polar_express"``, or an ``(n, 3)`` array) gives its first ``ns_steps`` rows and
-    must have that many.
-    """
+    """The ``(a, b, c)`` of each of the ``ns_steps`` iterations: a triple (or one-row
+    preset) repeated, or a table's first ``ns_steps`` rows."""
     if isinstance(ns_coeffs, str) and ns_coeffs == "polar_express":
         return POLAR_EXPRESS_COEFFS[:check_ns_steps(ns_steps, where)]
     rows, is_table = coefficient_rows(ns_coeffs, where)

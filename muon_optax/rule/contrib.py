@@ -1,7 +1,6 @@
-"""optax.contrib.muon's and torch.optim.Muon's rule (see :func:`muon_optax.contrib_muon` and
-:func:`muon_optax.torch_muon` for the maths): plain Muon, without MuonEq, Muon+, NorMuon
-or cautious decay, beside nanochat's kernel (:mod:`muon_optax.rule.muon`), whose polar
-iteration and momentum lerps (torch's) it runs."""
+"""optax.contrib.muon's and torch.optim.Muon's rule (the maths: :func:`muon_optax.contrib_muon`,
+:func:`muon_optax.torch_muon`): plain Muon, on :mod:`muon_optax.rule.muon`'s polar
+iteration and momentum lerps (torch's)."""
 
 from __future__ import annotations
 
@@ -22,15 +21,9 @@ from muon_optax.rule.polar import check_preconditioning
 
 @dataclasses.dataclass(frozen=True)
 class ContribConfig:
-    """A Muon group of optax.contrib.muon's (``adam``) or torch.optim.Muon's rule.
-
-    ``coeffs``: the ``(a, b, c)`` of each iteration; ``adam``: Adam's bias-corrected first
-    moment as optax computes it, ``buf = (1 - mu) G + mu buf`` with the product in the
-    buffer's dtype, ``1 - mu`` from the exact constant (float32's ``1 - f32(mu)`` is off
-    by up to an ulp of ``mu``, which flips roundings of a bfloat16 buffer) and ``U`` from
-    the unrounded buffer; else torch's (nanochat's) lerps. ``adaptive``: ``O <U, O>``,
-    ``<U, O>`` summed over the leaf; ``consistent_rms``: see :meth:`lr_scale`.
-    """
+    """A Muon group of optax.contrib.muon's (``adam``: its bias-corrected first moment, as
+    ``adamw_leaf_update``'s ``optax_ema``, ``U`` unrounded) or torch.optim.Muon's rule
+    (torch's lerps). ``adaptive``: ``O <U, O>``, ``<U, O>`` summed over the leaf."""
 
     lr: hparams.Scalar
     momentum: hparams.Scalar
@@ -44,7 +37,7 @@ class ContribConfig:
     adam: bool = True
     adaptive: bool = False
     consistent_rms: float | None = None
-    # nanochat's options the engine and the polar iteration read, fixed in this rule
+    # nanochat's options the engine and the polar iteration read, fixed here
     row_equilibration: ClassVar[bool] = False
     normuon: ClassVar[bool] = False
     polar_method: ClassVar[str] = "direct"
@@ -84,9 +77,8 @@ class ContribConfig:
         return 1.0 - self.momentum if self.adam and isinstance(self.momentum, float) else None
 
     def lr_scale(self, rows: int, cols: int) -> float:
-        """The lr factor of a ``rows x cols`` (out x in) matrix: nanochat's, or with
-        ``consistent_rms = c``, ``c sqrt(max(R, C))``, an update RMS of about ``c`` for
-        every shape (arXiv:2502.16982; 0.2 matches AdamW's)."""
+        """The lr factor of a ``rows x cols`` matrix: nanochat's, or ``c sqrt(max(R, C))``
+        for ``consistent_rms = c``, an update RMS of about ``c`` (arXiv:2502.16982)."""
         if self.consistent_rms is None:
             return muon.matrix_lr_scale(rows, cols)
         return math.sqrt(max(rows, cols)) * self.consistent_rms
@@ -95,8 +87,7 @@ class ContribConfig:
              count: jax.Array, dtype: Any, *, order: bool = True
              ) -> tuple[jax.Array, muon.MuonStackState, jax.Array | None]:
         """:func:`muon_optax.rule.muon.muon_step`'s contract (the second moment kept as
-        is), and with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before;
-        ``order``: as there."""
+        is), with ``adaptive`` the per-matrix ``<U, O>``. ``count``: steps before."""
         f32, mu, layout = jnp.float32, hp["momentum"], state.momentum.shape
         g32 = g.astype(f32)
         if not self.adam:
@@ -112,8 +103,8 @@ class ContribConfig:
             u = (mu * buf / (1 - mu ** (t + 1)) + (1 - mu if c is None else c) * g32
                  / (1 - mu**t) if self.nesterov else buf / (1 - mu**t))
         o = muon.orthogonalized(u, hp["transposed"], self, dtype)
-        # <U, O> estimates the nuclear norm of U (exact for its polar factor O): O <U, O>
-        # is steepest descent under the spectral norm (arXiv:2409.20325)
+        # <U, O> is U's nuclear norm for its exact polar factor O: O <U, O> is steepest
+        # descent under the spectral norm (arXiv:2409.20325)
         d = jnp.sum(u * o.astype(f32), axis=(-2, -1), keepdims=True) if self.adaptive else None
         return o, muon.MuonStackState(after(stored, u if order else None), state.second_moment), d
 

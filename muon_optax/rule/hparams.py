@@ -1,17 +1,13 @@
 """Parameter groups: nanochat's per-group hyperparameters, checked once, read per step.
 
-A group is a dict in nanochat's ``param_groups`` format, without ``params``:
+A group is a dict in nanochat's ``param_groups`` format, without ``params`` (only ``lr``
+is required):
 
     dict(kind="adamw", lr=..., betas=(b1, b2), eps=..., weight_decay=...)
     dict(kind="muon",  lr=..., momentum=..., ns_steps=..., beta2=..., weight_decay=...)
 
-Only ``lr`` is required: the rest default to :func:`muon_optax.adamw`'s and
-:func:`muon_optax.muon`'s defaults (:data:`ADAMW_DEFAULTS`, :data:`MUON_DEFAULTS`).
-
-Every scalar is a number or an optax schedule (a callable of the step count). Schedules
-are evaluated inside the jitted update on the traced step count, so a changing value
-never recompiles anything. ``ns_steps`` and the Muon options are static: they choose the
-program, not a number in it.
+A scalar is a number or an optax schedule, evaluated on the traced step count (a changing
+value never recompiles). ``ns_steps`` and the Muon options are static.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ from muon_optax.rule import muon
 from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, Coeffs, ns_coefficients
 from muon_optax.rule.polar import check_preconditioning
 
-Scalar = float | Callable[[jax.Array], Any]
-"""A hyperparameter: a number, or an optax schedule ``count -> number``."""
+Scalar = float | Callable[[jax.Array], Any]  # a number, or an optax schedule count -> number
 
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 MUON_KEYS = ("lr", "momentum", "ns_steps", "beta2", "weight_decay")
@@ -47,29 +42,23 @@ def value_at(x: Scalar, count: jax.Array) -> jax.Array:
 
 
 def check_scalar(value: Any, name: str, where: str) -> Scalar:
-    """A number becomes a Python float; a 0-d array (traced or not) stays an array.
-
-    ``optax.inject_hyperparams`` hands every hyperparameter in as a 0-d ``jnp`` array,
-    traced under jit, so an array is taken as is and never compared in Python.
-    """
+    """A number as a Python float; a 0-d array (``optax.inject_hyperparams``'s, traced) or
+    a schedule as is."""
     if callable(value):
         check_schedule_shape(value, name, where)
         return value
-    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+    real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if real or (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
+                and (jnp.issubdtype(value.dtype, jnp.floating)
+                     or jnp.issubdtype(value.dtype, jnp.integer))):
         check_finite(value, name, where)
-        return float(value)
-    if (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
-            and (jnp.issubdtype(value.dtype, jnp.floating)
-                 or jnp.issubdtype(value.dtype, jnp.integer))):
-        check_finite(value, name, where)
-        return value
+        return float(value) if real else value
     raise TypeError(f"{where}: {name} must be a float or an optax schedule "
                     f"(a callable of the step count), got {value!r}.")
 
 
 def concrete_value(value: Any) -> float | None:
-    """A number or 0-d array as a Python float when it is known now; None for a traced
-    value (``optax.inject_hyperparams`` under jit), whose value exists only at run time."""
+    """A number or 0-d array as a Python float when it is known now; None when traced."""
     if isinstance(value, jax.core.Tracer):
         return None
     try:
@@ -79,8 +68,7 @@ def concrete_value(value: Any) -> float | None:
 
 
 def check_finite(value: Any, name: str, where: str) -> None:
-    """Refuses a hyperparameter known now to be NaN or infinite; a traced value passes
-    (it is not known until the step runs)."""
+    """Refuses a hyperparameter known now to be NaN or infinite; a traced value passes."""
     x = concrete_value(value)
     if x is not None and not np.isfinite(x):
         raise ValueError(f"{where}: {name} must be a finite number, got {x}; a NaN or inf "
@@ -88,23 +76,19 @@ def check_finite(value: Any, name: str, where: str) -> None:
 
 
 def check_schedule_shape(schedule: Callable, name: str, where: str) -> None:
-    """Refuses a schedule whose value at a step is not a scalar (found by tracing it once
-    on an abstract step count). A schedule that cannot be traced that way is left to
-    fail, or not, where it is used."""
+    """Refuses a schedule whose value, traced on an abstract count, is not a scalar."""
     try:
         out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
-    except Exception:  # noqa: BLE001 - only the shape of what does trace is checked here
+    except Exception:  # noqa: BLE001 - one that does not trace so fails, or not, where used
         return
     shape = getattr(out, "shape", None)
-    if shape is None or shape != ():
+    if shape != ():
         what = f"an array of shape {shape}" if shape is not None else type(out).__name__
         raise TypeError(f"{where}: {name} is a schedule that returns {what}; a schedule "
                         f"must return one number per step (a scalar).")
 
 
 def check_compute_dtype(compute_dtype: Any, where: str) -> Any:
-    if compute_dtype is None:
-        return None
     if isinstance(compute_dtype, (jax.Array, np.ndarray)):
         # optax.inject_hyperparams calls jnp.float32 as a schedule: an array comes back.
         raise TypeError(
@@ -143,14 +127,8 @@ def check_mu_dtype(dtype: Any, where: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
-    """Hyperparameters of an AdamW group (see :func:`muon_optax.adamw`).
-
-    ``eps_root``, ``nesterov`` and ``mu_dtype`` are optax's Adam options (used by
-    :func:`muon_optax.contrib_muon`): ``sqrt(v_hat + eps_root)``, Nesterov's bias-corrected
-    look-ahead, the first moment's dtype (None: the parameter's). ``optax_ema``: the
-    moments as optax computes them, ``m = (1 - b1) g + b1 m`` with ``1 - b1`` from the
-    exact constant and the product ``b1 m`` in ``m``'s dtype (likewise ``v``).
-    """
+    """Hyperparameters of an AdamW group (:func:`muon_optax.adamw`); the last four are
+    optax's Adam options, for :func:`muon_optax.contrib_muon` (see ``adamw_leaf_update``)."""
 
     lr: Scalar
     b1: Scalar
@@ -169,25 +147,18 @@ class AdamWConfig:
             raise TypeError(f"{where}: betas must be a pair (b1, b2), got {betas!r}.")
         scalars = (check_scalar(v, n, where) for v, n in (
             (lr, "lr"), (betas[0], "betas[0]"), (betas[1], "betas[1]"), (eps, "eps"),
-            (weight_decay, "weight_decay")))
-        return cls(*scalars, eps_root=check_scalar(eps_root, "eps_root", where),
-                   nesterov=check_flag(nesterov, "nesterov", where),
+            (weight_decay, "weight_decay"), (eps_root, "eps_root")))
+        return cls(*scalars, nesterov=check_flag(nesterov, "nesterov", where),
                    mu_dtype=check_mu_dtype(mu_dtype, where),
                    optax_ema=check_flag(optax_ema, "optax_ema", where))
 
     def needs_params(self) -> bool:
-        """Whether ``update`` reads the params: weight decay not known to be zero.
-
-        A schedule or an array (traced, say, under ``optax.inject_hyperparams``) may be
-        nonzero at some step, and a traced value cannot be tested here.
-        """
+        """Whether ``update`` reads the params: weight decay not the constant zero."""
         return not isinstance(self.weight_decay, float) or self.weight_decay != 0.0
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
-        """The hyperparameters at step ``count`` (steps taken before this one).
-
-        ``eps_root`` is there only when it is not the constant 0 (optax's Adam option).
-        """
+        """The hyperparameters at step ``count`` (steps taken before this one);
+        ``eps_root`` only when it is not the constant 0."""
         keys = ("lr", "b1", "b2", "eps", "weight_decay")
         keys += () if isinstance(self.eps_root, float) and self.eps_root == 0.0 else ("eps_root",)
         return {k: value_at(getattr(self, k), count) for k in keys}
@@ -195,12 +166,8 @@ class AdamWConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MuonConfig:
-    """A Muon group of nanochat's rule: :func:`muon_optax.muon`'s arguments, checked (see its
-    Args; ``ns_coeffs`` None: Polar Express's first ``ns_steps``), run by
-    :mod:`muon_optax.rule.muon`. The engine calls :meth:`at`, :meth:`static_key`,
-    :meth:`step` and :meth:`leaf_update`, which :class:`muon_optax.rule.contrib.ContribConfig`
-    (optax's and torch's rules) provides too.
-    """
+    """A Muon group of nanochat's rule: :func:`muon_optax.muon`'s arguments, checked. The
+    engine calls its methods, as :class:`~muon_optax.rule.contrib.ContribConfig`'s."""
 
     lr: Scalar
     momentum: Scalar
@@ -232,16 +199,14 @@ class MuonConfig:
         flags = {name: check_flag(value, name, where) for name, value in (
             ("row_equilibration", row_equilibration), ("renormalize", renormalize),
             ("nesterov", nesterov), ("normuon", normuon), ("cautious", cautious))}
-        return cls(
-            lr=check_scalar(lr, "lr", where),
-            momentum=check_scalar(momentum, "momentum", where),
-            beta2=check_scalar(beta2, "beta2", where),
-            weight_decay=check_scalar(weight_decay, "weight_decay", where),
-            ns_steps=len(coeffs), compute_dtype=check_compute_dtype(compute_dtype, where),
-            polar_method=polar_method,
-            ns_coeffs=None if coeffs == POLAR_EXPRESS_COEFFS[:len(coeffs)] else coeffs,
-            preconditioning=check_preconditioning(preconditioning, where),
-            mu_dtype=check_mu_dtype(mu_dtype, where), **flags)
+        scalars = (check_scalar(v, n, where) for v, n in (
+            (lr, "lr"), (momentum, "momentum"), (beta2, "beta2"), (weight_decay, "weight_decay")))
+        return cls(*scalars, ns_steps=len(coeffs),
+                   compute_dtype=check_compute_dtype(compute_dtype, where),
+                   polar_method=polar_method,
+                   ns_coeffs=None if coeffs == POLAR_EXPRESS_COEFFS[:len(coeffs)] else coeffs,
+                   preconditioning=check_preconditioning(preconditioning, where),
+                   mu_dtype=check_mu_dtype(mu_dtype, where), **flags)
 
     @property
     def coeffs(self) -> Coeffs:
@@ -272,14 +237,6 @@ def static_float(value: Any, name: str, where: str) -> float:
     return number
 
 
-def _unknown(keys, allowed) -> str:
-    parts = []
-    for k in keys:
-        close = difflib.get_close_matches(str(k), allowed, n=1)
-        parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return ", ".join(parts)
-
-
 def parse_group(name: str, group: Mapping[str, Any]) -> AdamWConfig | MuonConfig:
     """Checks one nanochat-style group dict and returns its config."""
     where = f"group {name!r}"
@@ -292,21 +249,22 @@ def parse_group(name: str, group: Mapping[str, Any]) -> AdamWConfig | MuonConfig
     kind = group.get("kind")
     if kind not in ("adamw", "muon"):
         raise ValueError(f"{where}: unknown kind {kind!r}; use kind='adamw' or kind='muon'.")
-    required = ADAMW_KEYS if kind == "adamw" else MUON_KEYS
+    required, defaults, config = ((ADAMW_KEYS, ADAMW_DEFAULTS, AdamWConfig) if kind == "adamw"
+                                  else (MUON_KEYS, MUON_DEFAULTS, MuonConfig))
     allowed = ("kind",) + required + (MUON_OPTIONS if kind == "muon" else ())
-    unknown = [k for k in group if k not in allowed]
+    unknown = [(k, difflib.get_close_matches(str(k), allowed, n=1)) for k in group
+               if k not in allowed]
     if unknown:
-        raise ValueError(f"{where}: unknown hyperparameter {_unknown(unknown, allowed)} for "
-                         f"kind={kind!r}; allowed keys are {', '.join(allowed)}.")
+        names = ", ".join(f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "")
+                          for k, c in unknown)
+        raise ValueError(f"{where}: unknown hyperparameter {names} for kind={kind!r}; "
+                         f"allowed keys are {', '.join(allowed)}.")
     if "lr" not in group:
         raise ValueError(f"{where}: missing hyperparameter lr for kind={kind!r}; "
                          f"{'an' if kind == 'adamw' else 'a'} {kind} group needs lr (the rest "
                          f"default to muon_optax.{kind}'s defaults).")
-    defaults = ADAMW_DEFAULTS if kind == "adamw" else MUON_DEFAULTS
     hp = {**defaults, **{k: v for k, v in group.items() if k != "kind"}}
-    if kind == "adamw":
-        return AdamWConfig.make(where=where, **hp)
-    return MuonConfig.make(where=where, **hp)
+    return config.make(where=where, **hp)
 
 
 def parse_groups(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, AdamWConfig | MuonConfig]:
@@ -344,17 +302,18 @@ def _count_of(state: Any) -> jax.Array:
 
 def current_hyperparams(groups_or_tx: Any, state: Any) -> dict[str, dict[str, jax.Array]]:
     """Each group's hyperparameters for the next update, schedules evaluated: for logging.
+    Works eagerly and under jit.
 
     Args:
       groups_or_tx: the transformation returned by :func:`muon_optax.muon_adamw` (or
         ``muon``, ``adamw``), or the ``groups`` dict given to ``muon_adamw``.
-      state: its state (the step count ``state.count`` is read), or the count itself.
+      state: its state (its step count ``state.count``), or the count itself.
 
     Returns:
-      ``{group: {name: float32 scalar}}``, the values ``tx.update(grads, state, params)``
-      uses next: ``lr, b1, b2, eps, weight_decay`` for AdamW groups, ``lr, momentum,
-      beta2, weight_decay`` for Muon groups (a matrix with more rows than columns
-      steps with ``lr * sqrt(rows / cols)``). Works eagerly and under jit.
+      ``{group: {name: float32 scalar}}``, the values the next ``tx.update`` uses: ``lr,
+      b1, b2, eps, weight_decay`` for AdamW groups, ``lr, momentum, beta2, weight_decay``
+      for Muon groups (a matrix with more rows than columns steps with
+      ``lr * sqrt(rows / cols)``).
     """
     configs, count = _configs_of(groups_or_tx), _count_of(state)
     return {name: cfg.at(count) for name, cfg in configs.items()}

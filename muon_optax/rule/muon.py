@@ -1,7 +1,7 @@
 """Muon: Nesterov momentum, Polar Express, NorMuon and cautious weight decay.
 
-One step for a stack of K matrices ``(K, R, C)``, stored as their leaves lay them out
-(see :mod:`muon_optax.params.layout`), every operation per matrix:
+One step for a stack of K matrices ``(K, R, C)`` as stored (:mod:`muon_optax.params.layout`),
+every operation per matrix:
 
     buf = lerp(buf, G, 1 - momentum);  U = lerp(G, buf, momentum)        Nesterov
     X   = U * (||U||_F / sqrt(rows)) / max(row_norms(U), 1e-6)           MuonEq (optional)
@@ -11,14 +11,9 @@ One step for a stack of K matrices ``(K, R, C)``, stored as their leaves lay the
     O   = O * rsqrt(s) * (||v||-preserving factor)
     P   = P - lr_eff O - lr_eff wd P [O P >= 0]                           cautious decay
 
-``rows`` and ``red`` refer to the matrix's own orientation (PyTorch ``(out, in)``); a
-matrix stored transposed equilibrates its stored columns instead. ``lr_eff`` is
+``rows`` and ``red`` are the matrix's own (PyTorch ``(out, in)``); ``lr_eff`` is
 ``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
 arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
-
-Every option is a field of :class:`~muon_optax.rule.hparams.MuonConfig`. optax.contrib.muon's
-and torch.optim.Muon's rules are :mod:`muon_optax.rule.contrib`, which shares
-:func:`orthogonalized` and :func:`momentum`.
 """
 
 from __future__ import annotations
@@ -47,13 +42,8 @@ class MuonStackState(NamedTuple):
 
 
 def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
-    """The stored axis NorMuon averages over (``-2``: the stored rows).
-
-    The rule averages a wide matrix's own rows and a tall or square one's own columns:
-    the stored short side for every non-square (either orientation), and for a square
-    its own columns, the stored rows when it is stored transposed. Stacks mixing
-    orientations (``transposed`` an array) are never square.
-    """
+    """The stored axis NorMuon averages over: a wide matrix's own rows, a tall or square
+    one's own columns (stacks mixing orientations are never square)."""
     if rows != cols:
         return -2 if rows < cols else -1
     return -2 if transposed is True else -1
@@ -61,18 +51,8 @@ def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
 
 def _input_scale(x: jax.Array, transposed: bool | jax.Array,
                  row_equilibration: bool, basin: bool = True) -> jax.Array:
-    """MuonEq and the basin scaling as one factor per own row, from one pass of norms.
-
-    MuonEq scales each of the matrix's own rows to the RMS row norm
-    ``||X||_F / sqrt(rows)``; the polar iteration then needs ``X / (1.01 ||X||_F +
-    1e-6)``. The Frobenius norm after equilibration follows from the row norms, so both
-    scalings are one multiply of ``X``. Norms in float32. ``basin=False``: MuonEq alone
-    (another preconditioning follows).
-    """
-    # The norms come from x * s (polar.overflow_scale: a power of two, 1 unless an entry
-    # exceeds 2**48), so a finite gradient of any size gives finite norms. MuonEq's
-    # factor is a ratio of norms (the same for x * s); the basin's divides by a norm of
-    # x * s and so takes the s back.
+    """MuonEq and the basin scaling as one factor per own row (``basin=False``: MuonEq
+    alone), from one pass of float32 norms of ``x * s`` (finite; the basin takes ``s`` back)."""
     s = overflow_scale(x.astype(jnp.float32))
     x32 = x.astype(jnp.float32) * s
 
@@ -97,21 +77,15 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
 
 
 def in_layout(x: jax.Array, shape: tuple, layout: tuple) -> jax.Array:
-    """``x`` (of ``shape``, or a scalar or ``(K, 1, 1)`` factor broadcast to it) in the
-    momentum buffer's ``layout``, which holds as many elements as ``shape``."""
+    """``x`` (of ``shape``, or a factor broadcast to it) in the momentum buffer's ``layout``."""
     return x if jnp.ndim(x) == 0 or layout == shape else (
         jnp.broadcast_to(x, shape).reshape(layout))
 
 
 def momentum(g32: jax.Array, buf: jax.Array, mu: jax.Array, *,
              nesterov: bool = True) -> tuple[jax.Array, jax.Array]:
-    """Step 1: the new buffer ``lerp(buf, G, 1 - mu)``, stored (``buf``'s dtype and
-    layout), and the direction ``U``, ``lerp(G, buf, mu)`` (Nesterov) or ``buf``, in
-    float32 from the stored buffer, as nanochat reads it back after its in-place update.
-
-    ``g32``: float32 ``(K, R, C)``; ``buf``: any dtype, any layout of ``g32``'s size;
-    ``mu``: a scalar or ``(K, 1, 1)``.
-    """
+    """The new buffer in ``buf``'s dtype and layout, and ``U`` in float32 from the stored
+    buffer, as nanochat reads it back after its in-place update."""
     shape, layout = g32.shape, buf.shape
     g_l, c = in_layout(g32, shape, layout), 1 - in_layout(mu, shape, layout)
     old = buf.astype(jnp.float32)
@@ -122,9 +96,8 @@ def momentum(g32: jax.Array, buf: jax.Array, mu: jax.Array, *,
 
 def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
                     compute_dtype: Any) -> jax.Array:
-    """Steps 2-5: MuonEq, the preconditioning and the polar iteration of ``U``."""
-    f32 = jnp.float32
-    rows, cols = u.shape[-2:]
+    """MuonEq, the preconditioning and the polar iteration of ``U``."""
+    f32, (rows, cols) = jnp.float32, u.shape[-2:]
     x = u.astype(compute_dtype)
     if cfg.preconditioning == "basin":
         x = x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration)
@@ -145,10 +118,8 @@ def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
 
 def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
                    dtype: Any) -> jax.Array:
-    """:func:`_orthogonalized` rounded to ``dtype`` (the rule rounds ``O`` to the
-    parameter dtype). Without ``cfg.compute_dtype``: float32 when compiled for CPU,
-    bfloat16 for accelerators, as the step is lowered (``lax.platform_dependent``; a
-    program compiled ahead of time for a TPU from a CPU host is the TPU's)."""
+    """:func:`_orthogonalized` rounded to ``dtype``, the parameter's. Without
+    ``cfg.compute_dtype``: float32 on CPU, bfloat16 on accelerators (:func:`per_platform`)."""
     if cfg.compute_dtype is not None:
         return _orthogonalized(u, transposed, cfg, cfg.compute_dtype).astype(dtype)
     return per_platform(
@@ -159,22 +130,11 @@ def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
 def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
               count: jax.Array, dtype: Any, *, order: bool = True
               ) -> tuple[jax.Array, MuonStackState, None]:
-    """Steps 1-7 of Muon on a stored stack ``g`` ``(K, R, C)`` (:meth:`MuonConfig.step`):
-    the direction ``O`` (``dtype``, the parameter dtype), the new state and None (nothing
-    summed over a leaf). ``count`` is unused (nanochat's momentum has no bias correction).
-
-    The one kernel every mode runs. ``hp``: ``momentum`` and ``beta2`` (scalars or
-    ``(K, 1, 1)``) and ``transposed`` (whether a matrix's own rows are the stored columns:
-    a bool, or ``(K,)``). ``state.momentum`` may come in any layout of ``g``'s size (the
-    engine hands its flat state buffer on one device, so that XLA updates it in place);
-    the new momentum comes back in that layout, computed only once ``U`` is, so that it
-    can overwrite the old buffer (``order=False``: as soon as it can be, where the
-    caller's own write orders it). Zero padding stays exactly zero.
-
-    Every scaling of the rule (MuonEq, the basin, Muon+, NorMuon) is a factor per row or
-    column, so each side of the polar iteration is one pass of statistics and one
-    multiply.
-    """
+    """The rule up to NorMuon on a stored stack ``g`` ``(K, R, C)``, the kernel every mode
+    runs: ``O`` in ``dtype``, the new state and None (nothing summed over a leaf).
+    ``state.momentum`` may be in any layout of ``g``'s size (the engine's flat buffer); the
+    new one comes back in it, once ``U`` is computed, to overwrite the old in place
+    (``order=False``: the caller orders it)."""
     f32, (rows, cols), transposed = jnp.float32, g.shape[-2:], hp["transposed"]
     stored, u = momentum(g.astype(f32), state.momentum, hp["momentum"], nesterov=cfg.nesterov)
     wait = u if order else None
@@ -185,9 +145,8 @@ def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[
             o = o * (jnp.sqrt(float(min(rows, cols))) / jnp.maximum(fro, 1e-6))
         return o.astype(dtype), MuonStackState(after(stored, wait), state.second_moment), None
 
-    # NorMuon: a factored second moment of O along the reduced axis, then rescale so that
-    # the matrix's overall norm is kept. Muon+ (O * sqrt(min(R, C)) / ||O||_F) scales
-    # those statistics by r^2, ||O||_F^2 being n * sum(v).
+    # NorMuon: a factored second moment of O along the reduced axis, then a rescale that
+    # keeps the matrix's norm. Muon+ scales the statistics by r^2 (||O||_F^2 = n sum(v)).
     red = normuon_axis(rows, cols, transposed)
     n = o.shape[red]
     v = jnp.mean(o * o, axis=red, keepdims=True)
@@ -206,21 +165,14 @@ def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[
 
 
 def matrix_lr_scale(rows: int, cols: int) -> float:
-    """The per-matrix factor of the learning rate, from its own ``rows x cols`` (out x in):
-    ``sqrt(max(1, R / C))``."""
+    """The learning rate's factor for a ``rows x cols`` (out x in) matrix."""
     return math.sqrt(max(1.0, rows / cols))
 
 
 def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
                     weight_decay: jax.Array) -> jax.Array:
-    """Step 9: ``P_new - P = -lr O - lr wd P [O P >= 0]``, in the parameter's dtype.
-
-    Weight decay acts only where the update and the weight agree in sign. ``lr``
-    includes the aspect-ratio factor. Float32 arithmetic; ``P_new`` is rounded once to
-    the parameter dtype (:func:`muon_optax.rule.adamw.update_in_param_dtype`). Elementwise,
-    so it runs on each leaf in its own layout, after the stacked directions are split
-    back.
-    """
+    """``P_new - P = -lr O - lr wd P [O P >= 0]`` in the parameter's dtype: weight decay
+    only where update and weight agree in sign. Elementwise: each leaf in its layout."""
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
     update = -lr * o32 - (lr * weight_decay) * jnp.where(o32 * p32 >= 0, p32, 0.0)
     return update_in_param_dtype(p32, update, p.dtype)
@@ -228,10 +180,7 @@ def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
 
 def leaf_update(cfg: MuonConfig, o: jax.Array, p: jax.Array, lr: jax.Array,
                 weight_decay: jax.Array, *, rows: int, cols: int) -> jax.Array:
-    """Steps 8-9 for one leaf (:meth:`MuonConfig.leaf_update`):
-    ``P_new - P = -lr_eff O - lr_eff wd P [mask]``, ``lr_eff = lr matrix_lr_scale(rows,
-    cols)``, the mask ``O P >= 0`` when ``cfg.cautious``, else everywhere. In the
-    parameter's dtype."""
+    """One leaf's update: :func:`cautious_update` at ``lr_eff``, masked if ``cfg.cautious``."""
     lr_eff = lr * matrix_lr_scale(rows, cols)
     if cfg.cautious:
         return cautious_update(o, p, lr_eff, weight_decay)

@@ -1,12 +1,6 @@
-"""Ordering XLA's schedule by data dependencies.
-
-The engine runs stacks one after another and writes state once its old value is read.
-XLA's scheduler otherwise interleaves independent computations step by step (two stacks'
-polar iterations, say), so that both sets of temporaries are alive at once, or copies a
-state buffer that a later read still needs. :func:`after` makes the dependency explicit;
-:func:`wait_for` holds back a computation's inputs instead, by a barrier where the
-compiler keeps one (TPU).
-"""
+"""Ordering XLA's schedule by data dependencies: the engine runs stacks one after another
+and writes state once its old value is read, where XLA's scheduler would interleave them
+(both stacks' temporaries alive) or copy a state buffer a later read still needs."""
 
 from __future__ import annotations
 
@@ -17,23 +11,14 @@ from muon_optax.rule.platform import per_platform
 
 
 def _first(x: jax.Array) -> jax.Array:
-    """``x``'s first element as a float32 scalar, sliced where it lies: ``x.reshape(-1)``
-    is a relayout copy of all of ``x`` on a TPU, whose arrays are tiled."""
+    """``x``'s first element as a float32 scalar (a reshape would copy a tiled TPU array)."""
     return jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).astype(jnp.float32).reshape(())
 
 
 def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
-    """``x`` unchanged, but computed only once ``prev`` is.
-
-    XLA's scheduler otherwise interleaves independent computations step by step (two
-    stacks' polar iterations, say), so both sets of buffers are alive at once. The
-    dependency is ``x + (-0.0)``, the zero made from one element of ``prev``: ``x`` bit
-    for bit (signed zeros, inf and NaN included; subnormals are flushed, as by any
-    XLA:CPU arithmetic), and still ``-0.0`` when ``prev`` holds inf or NaN. XLA does
-    not fold float arithmetic on a runtime value, so the dependency survives
-    optimisation (an ``optimization_barrier`` did not: XLA:CPU dropped it). The zero is
-    made and added in float32 (exact for any float ``x``; no narrow-dtype scalars).
-    """
+    """``x`` unchanged, but computed only once ``prev`` is: ``x + (-0.0)`` in float32,
+    the zero made from one element of ``prev`` (even inf or NaN), which XLA does not fold
+    (XLA:CPU drops an ``optimization_barrier``). Subnormals flush as in any arithmetic."""
     if prev is None:
         return x
     v = _first(prev)
@@ -44,15 +29,9 @@ def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
 
 
 def wait_for(xs, *prevs):
-    """``xs`` (a pytree) unchanged, but readable only once every one of ``prevs`` (None:
-    none) is computed: on TPU an ``optimization_barrier`` over them all, elsewhere
-    :func:`after` on each leaf.
-
-    Give it the inputs of the computation to hold back, not its result: what is computed
-    from the barrier's outputs starts after ``prevs``, and the barrier itself makes no
-    array. On TPU each :func:`after` is a pass over its ``x`` that the compiler builds a
-    kernel for; XLA:CPU drops barriers, so there the arithmetic stays.
-    """
+    """``xs`` (a pytree: the inputs of the computation to hold back) unchanged, but
+    readable only once all ``prevs`` (None: none) are: on TPU by an
+    ``optimization_barrier`` (no pass over ``xs``), elsewhere by :func:`after`."""
     prevs = tuple(p for p in prevs if p is not None)
     if not prevs:
         return xs
@@ -69,7 +48,6 @@ def wait_for(xs, *prevs):
 
 
 def first_elements(xs: list[jax.Array]) -> jax.Array:
-    """A float32 scalar made from one element of each of ``xs``: a value to order a
-    later computation after them all (:func:`after`) that holds none of them whole, as a
-    barrier over them would."""
+    """A float32 scalar from one element of each of ``xs``, to order a computation after
+    them all (:func:`after`) without holding them whole, as a barrier would."""
     return sum((_first(x) for x in xs), jnp.float32(0))
