@@ -1,6 +1,5 @@
 """optax.contrib.muon's and torch.optim.Muon's rule (the maths: :func:`muon_optax.contrib_muon`,
-:func:`muon_optax.torch_muon`): plain Muon, on :mod:`muon_optax.rule.muon`'s polar
-iteration and momentum lerps (torch's)."""
+:func:`muon_optax.torch_muon`) on :mod:`muon_optax.rule.muon`'s polar iteration."""
 
 from __future__ import annotations
 

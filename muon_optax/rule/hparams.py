@@ -1,13 +1,11 @@
 """Parameter groups: nanochat's per-group hyperparameters, checked once, read per step.
-
-A group is a dict in nanochat's ``param_groups`` format, without ``params`` (only ``lr``
-is required):
+A group is a dict in nanochat's ``param_groups`` format, without ``params``:
 
     dict(kind="adamw", lr=..., betas=(b1, b2), eps=..., weight_decay=...)
     dict(kind="muon",  lr=..., momentum=..., ns_steps=..., beta2=..., weight_decay=...)
 
-A scalar is a number or an optax schedule, evaluated on the traced step count (a changing
-value never recompiles). ``ns_steps`` and the Muon options are static.
+Only ``lr`` is required. A scalar is a number or an optax schedule, evaluated on the
+traced step count (never recompiling); ``ns_steps`` and the Muon options are static.
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ from muon_optax.rule.polar import check_preconditioning
 
 Scalar = float | Callable[[jax.Array], Any]  # a number, or an optax schedule count -> number
 
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
-MUON_KEYS = ("lr", "momentum", "ns_steps", "beta2", "weight_decay")
 ADAMW_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 MUON_DEFAULTS = dict(momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.0)
 MUON_OPTIONS = ("row_equilibration", "renormalize", "compute_dtype", "polar_method",
@@ -249,9 +245,9 @@ def parse_group(name: str, group: Mapping[str, Any]) -> AdamWConfig | MuonConfig
     kind = group.get("kind")
     if kind not in ("adamw", "muon"):
         raise ValueError(f"{where}: unknown kind {kind!r}; use kind='adamw' or kind='muon'.")
-    required, defaults, config = ((ADAMW_KEYS, ADAMW_DEFAULTS, AdamWConfig) if kind == "adamw"
-                                  else (MUON_KEYS, MUON_DEFAULTS, MuonConfig))
-    allowed = ("kind",) + required + (MUON_OPTIONS if kind == "muon" else ())
+    defaults, config = ((ADAMW_DEFAULTS, AdamWConfig) if kind == "adamw"
+                        else (MUON_DEFAULTS, MuonConfig))
+    allowed = ("kind", "lr", *defaults) + (MUON_OPTIONS if kind == "muon" else ())
     unknown = [(k, difflib.get_close_matches(str(k), allowed, n=1)) for k in group
                if k not in allowed]
     if unknown:

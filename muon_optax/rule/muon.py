@@ -55,7 +55,6 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
     alone), from one pass of float32 norms of ``x * s`` (finite; the basin takes ``s`` back)."""
     s = overflow_scale(x.astype(jnp.float32))
     x32 = x.astype(jnp.float32) * s
-
     def factor(axis: int) -> jax.Array:  # axis summed over: -1 makes stored rows own rows
         sq = jnp.sum(x32 * x32, axis=axis, keepdims=True)
         fro2 = jnp.sum(sq, axis=(-2, -1), keepdims=True)
@@ -67,7 +66,6 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
             return eq
         fro_eq = jnp.sqrt(jnp.sum(sq * eq * eq, axis=(-2, -1), keepdims=True))
         return s * eq / (1.01 * fro_eq + 1e-6)
-
     if not row_equilibration or transposed is False:
         return factor(-1)
     if transposed is True:

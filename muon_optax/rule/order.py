@@ -23,9 +23,7 @@ def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
         return x
     v = _first(prev)
     zero = -(jnp.abs(jnp.where(jnp.isfinite(v), v, 0.0)) * 0.0)
-    if x.dtype == jnp.float32:
-        return x + zero
-    return (x.astype(jnp.float32) + zero).astype(x.dtype)
+    return (x.astype(jnp.float32) + zero).astype(x.dtype)  # no casts for float32
 
 
 def wait_for(xs, *prevs):
@@ -35,15 +33,12 @@ def wait_for(xs, *prevs):
     prevs = tuple(p for p in prevs if p is not None)
     if not prevs:
         return xs
-
     def barrier(xs, *prevs):
         return jax.lax.optimization_barrier((xs, prevs))[0]
-
     def arithmetic(xs, *prevs):
         for prev in prevs:
             xs = jax.tree.map(lambda x, prev=prev: after(x, prev), xs)
         return xs
-
     return per_platform("order", xs, *prevs, tpu=barrier, default=arithmetic)
 
 

@@ -1,9 +1,7 @@
-"""Polar Express: the batched orthogonalization at the heart of Muon.
-
-Muon replaces a momentum matrix ``G = U S V^T`` by (about) its polar factor ``U V^T``.
-Polar Express (Amsel, Persson, Musco, Gower, arXiv:2505.16932) gets there with a few
-odd-polynomial iterations, each with its own coefficients, the Gram matrix on the short
-side, batched over leading axes (a stack ``(K, R, C)`` is one program):
+"""Polar Express: the batched orthogonalization at the heart of Muon, which replaces a
+momentum matrix ``G = U S V^T`` by (about) its polar factor ``U V^T``. Polar Express
+(Amsel, Persson, Musco, Gower, arXiv:2505.16932) takes a few odd-polynomial iterations,
+the Gram matrix on the short side, batched over leading axes (a stack is one program):
 
     X_{k+1} = a_k X_k + b_k (X_k X_k^T) X_k + c_k (X_k X_k^T)^2 X_k
 """
@@ -191,7 +189,6 @@ def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
                         kind: str) -> jax.Array:
     """The first iteration with AOL or Schatten-4 scaling folded into its Gram matrix
     ``A = X X^T`` (short side; sums clamped at 1e-8, so a zero matrix stays zero).
-
     ``aol`` (Turbo-Muon, arXiv:2512.04632): ``D = diag(1 / sqrt(sum_j |A_ij|))`` bounds the
     spectral norm by one (Gershgorin), often far tighter than the Frobenius norm:
     ``X <- D X``, ``A <- D A D``. ``schatten``: ``s = 1 / sqrt(||A||_F)``, ``X / ||X||_S4``.
