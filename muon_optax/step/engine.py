@@ -5,10 +5,9 @@ taken (:mod:`~muon_optax.step.guard`), AdamW leaves stepped where they lie, then
 stacks through the rule's kernel (:mod:`~muon_optax.step.one_device`,
 :mod:`~muon_optax.step.sharded`). All but the arithmetic is decided at trace time.
 
-Three forms share this code: one device (``axis_name=None``); ZeRO-2 inside the user's
-``jax.shard_map`` (``axis_name``: params whole everywhere, gradients per device, reduced
-here); plain ``jax.jit`` (``axis_name`` and ``mesh``: the engine's own ``shard_map`` over
-the params' layouts, gradients already reduced by XLA).
+Three forms share it: one device (no ``axis_name``); ZeRO-2 inside the user's
+``jax.shard_map`` (params whole, gradients per device); plain ``jax.jit`` with ``mesh=``
+(the engine's own ``shard_map`` over the params' layouts, gradients reduced by XLA).
 """
 
 from __future__ import annotations
@@ -85,15 +84,13 @@ def leaf_specs(opts: Options, params: Any, known: Any = None) -> list | None:
 
 def _check_mesh(x: Any, opts: Options, path: str) -> None:
     """Params on the mesh given as ``mesh=`` (as far as their type or placement shows)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    typed = getattr(sharding, "mesh", None)
+    typed = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     if typed is not None and getattr(typed, "axis_names", ()) and \
             dict(typed.shape) != dict(opts.mesh.shape):
         raise ValueError(f"{opts.name}: parameter {path!r} lives on a mesh with axes "
                          f"{dict(typed.shape)}, but the optimizer was built with mesh= of axes "
                          f"{dict(opts.mesh.shape)}: build it with the params' mesh.")
-    placed = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-    mesh = getattr(placed, "mesh", None)
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None) if isinstance(x, jax.Array) else None
     if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1 and (
             mesh.devices.shape != opts.mesh.devices.shape
             or (mesh.device_ids != opts.mesh.device_ids).any()):

@@ -2,11 +2,9 @@
 of every matrix go to its owner in an all-to-all and are reassembled there; the
 directions go back cut into the holders' blocks, in another.
 
-On TPU both all-to-alls go in column pieces, each sent just before the load that first
-reads it, or once the stores that write it are done, so that no one holds every piece at
-once; where every cut is whole tiles, as :func:`~muon_optax.step.rows.lanes` lays them
-out, so a matrix is read out by a slice. Elsewhere each is one all-to-all. The results
-are the same, bit for bit (``tests/test_collectives.py`` forces the TPU form on CPU).
+On TPU both go in column pieces (in :func:`~muon_optax.step.rows.lanes` where the cuts are
+whole tiles), each sent just before its first load or once complete, so no one holds every
+piece at once; elsewhere each is one all-to-all. The results are the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -184,19 +182,16 @@ class ExchangeSource:
         p0 = int(offsets.min()) // self.width
         p1 = min(len(self.bounds), (int(offsets.max()) + n * piece - 1) // self.width + 1)
 
-        def columns(first, last, lane):  # this device's columns of pieces first .. last-1
-            def cut(got):                  # (in units of `lane` elements)
-                got = got[first:last]
-                cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
-                start = (self.comm.pick(np.asarray(self.channel.offsets[k]) // lane)
-                         + (j0 * piece - first * self.width) // lane)
-                return dynamic_slice(cols, start, n * piece // lane, 1)
-            return cut
+        def columns(got, first, lane):  # this device's columns of pieces first, first+1 ..
+            cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
+            start = (self.comm.pick(np.asarray(self.channel.offsets[k]) // lane)
+                     + (j0 * piece - first * self.width) // lane)   # in `lane` elements
+            return dynamic_slice(cols, start, n * piece // lane, 1)
 
         # On TPU the pieces covering these columns on any device, exchanged here if no
         # earlier load did; elsewhere the one received buffer.
         def whole(received):
-            return lanes(columns(0, len(received), 1)(received), lane)
+            return lanes(columns(received, 0, 1), lane)
 
         if self.comm.size == 1:
             raw = whole(self.received)
@@ -210,7 +205,7 @@ class ExchangeSource:
                 wait = args[-1] if prev is not None else None
                 got = self._exchange(p0, p1, leaves, dict(zip(have, held)), wait)
                 pieces = wait_for([got[p] for p in range(p0, p1)], wait)
-                return (columns(p0, p1, lane)([None] * p0 + pieces), *[got[p] for p in new])
+                return (columns(pieces, p0, lane), *[got[p] for p in new])
 
             def default(*args):
                 del args
@@ -244,12 +239,9 @@ class Directions(NamedTuple):
 
 
 class ExchangeSink:
-    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block.
-
-    Every store goes into one ``(N, length)`` buffer sent once every stack has run; on TPU
-    into pieces of :func:`exchange_piece` columns, each sent once the stores that can
-    write it are done, so that not every direction is alive across the Muon loop.
-    """
+    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block, from
+    one ``(N, length)`` buffer sent once every stack has run or, on TPU, from pieces each
+    sent once no later store can write it."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm, self.dtype = owner, comm, dtype

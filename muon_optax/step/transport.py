@@ -1,17 +1,13 @@
 """Moving Muon matrices to their owners and their directions back (the transports of
-:mod:`muon_optax.plan.routes`).
-
-Each stack reads its owned matrices through a *source* and writes their directions into a
-*sink*, from which every device gets its leaves' directions back (values in, values out:
-neither keeps anything while a step is traced):
+:mod:`muon_optax.plan.routes`). Each stack reads its owned matrices through a *source* and
+writes their directions into a *sink*, from which every device gets its leaves' directions
+(values in, values out: neither keeps anything while a step is traced):
 
 - gather:   flat device-major buffer -> reduce-scatter (or this device's slice of reduced
             gradients) ... directions -> flat share -> all-gather;
-- exchange: pieces of every matrix -> all-to-all -> reassembled on the owner ...
-            directions -> all-to-all -> each holder's block (:mod:`~muon_optax.step.exchange`);
+- exchange: pieces of every matrix -> all-to-all -> the owner ... directions -> all-to-all
+            -> each holder's block (:mod:`~muon_optax.step.exchange`);
 - local:    the device's own matrices, read and written in place.
-
-Positions are static (from the plan) or read from small per-device tables (``axis_index``).
 """
 
 from __future__ import annotations
@@ -62,12 +58,10 @@ def scatter_piece(owner: OwnerPlan) -> int:
 
 
 class GatherSource:
-    """Owned matrices of the ``"gather"`` stacks of one dtype.
-
-    Under ZeRO-2 every device packs its gradients into a flat buffer, device ``d``'s
-    matrices in ``d``'s share, and one reduce-scatter (mean) leaves each device the mean
-    of its own. With reduced gradients (``mesh=``) it stacks its own from the whole leaves.
-    """
+    """Owned matrices of the ``"gather"`` stacks of one dtype. Under ZeRO-2 every device
+    packs its gradients into a flat buffer, device ``d``'s matrices in ``d``'s share, and
+    one reduce-scatter (mean) leaves each device the mean of its own; with reduced gradients
+    (``mesh=``) a device stacks its own from the whole leaves."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
                  comm: Collectives):
