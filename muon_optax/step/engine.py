@@ -1,26 +1,13 @@
 """The engine behind every constructor: one optax transformation for any groups.
 
-The data flow of one step (everything but the arithmetic is decided at trace time, in
-:mod:`muon_optax.plan.plan`):
+:func:`local_update` is one step: gradients reduced (ZeRO-2), clip factor and finiteness
+taken (:mod:`~muon_optax.step.guard`), AdamW leaves stepped where they lie, then the Muon
+stacks through the rule's kernel (:mod:`~muon_optax.step.one_device`,
+:mod:`~muon_optax.step.sharded`). All but the arithmetic is decided at trace time.
 
-    grads, params
-      -> reduced: AdamW leaves all-reduced or reduce-scattered, Muon matrices moved to
-         their owners (ZeRO-2); with max_grad_norm / skip_nonfinite, the mean gradient's
-         global norm and finiteness from those shares (:mod:`muon_optax.step.guard`)
-      -> AdamW leaves: one fused elementwise update each (float32 math), where they lie
-      -> Muon matrices, stacked by stored shape, each stack through the rule's one
-         kernel (:func:`muon_optax.rule.muon.muon_step`), its state updated in place in flat
-         buffers. One device: stack -> kernel -> unstack (:mod:`muon_optax.step.one_device`).
-         Sharded: the same kernel on the slots a device owns, the matrices read from
-         and written back to their owners (:mod:`muon_optax.step.sharded`, ``transport``)
-      -> cautious update per leaf, in the leaf's own layout
-      -> updates (P_new - P), new state
-
-Three forms share this code. One device: ``axis_name=None``. ZeRO-2 inside the user's
-``jax.shard_map`` (``axis_name``): params whole everywhere, per-device gradients
-reduce-scattered by the optimizer. Plain ``jax.jit`` (``axis_name`` and ``mesh``): the
-engine runs its own ``shard_map`` over the params' own layouts (FSDP, tensor parallel,
-2-D meshes, or replicated), gradients already reduced by XLA.
+Three forms share it: one device (no ``axis_name``); ZeRO-2 inside the user's
+``jax.shard_map`` (params whole, gradients per device); plain ``jax.jit`` with ``mesh=``
+(the engine's own ``shard_map`` over the params' layouts, gradients reduced by XLA).
 """
 
 from __future__ import annotations
@@ -39,11 +26,7 @@ from jax.sharding import PartitionSpec as P
 from muon_optax.params.labels import path_str
 from muon_optax.params.variables import unbox, unboxed_structure
 from muon_optax.plan.plan import TreePlan, make_tree_plan
-from muon_optax.plan.specs import (
-    check_spec,
-    normalize_spec,
-    placed_specs,
-)
+from muon_optax.plan.specs import check_spec, normalize_spec, placed_specs
 from muon_optax.plan.warn import warn_if_split
 from muon_optax.rule.adamw import adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
@@ -72,16 +55,10 @@ class Options:
     skip_nonfinite: bool = False
 
 
-# ------------------------------------------------------------------ plans
-
-
 def leaf_specs(opts: Options, params: Any, known: Any = None) -> list | None:
-    """Each leaf's layout over ``opts.mesh`` (None in the shard_map and one-device forms).
-
-    From ``param_specs`` if given (one ``PartitionSpec`` for all leaves, or a tree),
-    else from the leaves themselves or, where a traced leaf does not show it, from
-    ``known``: the layouts the state was made for (:func:`muon_optax.plan.specs.placed_specs`).
-    """
+    """Each leaf's layout over ``opts.mesh`` (None without a mesh): from ``param_specs``
+    (one spec for all leaves, or a tree), else from the leaves or, where a traced leaf does
+    not show it, ``known``: the layouts the state was made for."""
     if opts.mesh is None:
         return None
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -107,15 +84,13 @@ def leaf_specs(opts: Options, params: Any, known: Any = None) -> list | None:
 
 def _check_mesh(x: Any, opts: Options, path: str) -> None:
     """Params on the mesh given as ``mesh=`` (as far as their type or placement shows)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    typed = getattr(sharding, "mesh", None)
+    typed = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     if typed is not None and getattr(typed, "axis_names", ()) and \
             dict(typed.shape) != dict(opts.mesh.shape):
         raise ValueError(f"{opts.name}: parameter {path!r} lives on a mesh with axes "
                          f"{dict(typed.shape)}, but the optimizer was built with mesh= of axes "
                          f"{dict(opts.mesh.shape)}: build it with the params' mesh.")
-    placed = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-    mesh = getattr(placed, "mesh", None)
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None) if isinstance(x, jax.Array) else None
     if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1 and (
             mesh.devices.shape != opts.mesh.devices.shape
             or (mesh.device_ids != opts.mesh.device_ids).any()):
@@ -126,34 +101,27 @@ def _check_mesh(x: Any, opts: Options, path: str) -> None:
 
 def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...],
               state: Any = None) -> TreePlan:
-    """The plan of ``params``; ``state``: the state ``update`` was given, whose layout
-    records the params' layouts seen when it was made (:func:`leaf_specs`)."""
+    """The plan of ``params``; ``state``: the state ``update`` was given (its layout
+    records the params' layouts seen when it was made)."""
     known = getattr(getattr(state, "layout", None), "specs", None)
     specs = leaf_specs(opts, params, known)
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
                           axes, specs, opts.threshold, opts.name)
-    # One device runs the plain path (muon_optax.step.one_device), also under mesh= (whose
-    # gradients are already reduced). ZeRO-2 on a one-device axis keeps the sharded
-    # path: its collectives make the per-device gradients replicated.
+    # One device runs the plain path, also under mesh=. ZeRO-2 on a one-device axis keeps
+    # the sharded path: its collectives make the per-device gradients replicated.
     one = plan.num_devices == 1 and (opts.axes is None or opts.mesh is not None)
-    # The layouts read from placed params are recorded in the state (param_specs are not:
-    # the options hold them).
+    # The state records layouts read from the params (param_specs are in the options).
     seen = None if specs is None or opts.param_specs is not None else tuple(specs)
     return dataclasses.replace(plan, per_stack_state=one, given=seen)
 
-
-# ------------------------------------------------------------------ AdamW
 
 ADAMW_FLOPS_PER_ELEMENT = 20   # moments, bias correction, decay (the cost model's)
 
 
 def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[int, tuple]:
-    """Each AdamW leaf's mean gradient and param, as this device updates them.
-
-    Split params (``local``): where they lie. Whole ones: small params all-reduced (the
-    same everywhere); large ones reduce-scattered along their split axis, with this
-    device's slice of the param.
-    """
+    """Each AdamW leaf's mean gradient and param, as this device updates them: split
+    params where they lie; whole ones all-reduced if small, else reduce-scattered along
+    their split axis with this device's slice of the param."""
     out = {}
     for a in plan.adamw:
         g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
@@ -166,43 +134,26 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
     return out
 
 
-def _late_adamw(plan: TreePlan, comm: Collectives) -> tuple:
-    """The AdamW leaves that are whole on every device but stepped split over the owner
-    axes (ZeRO-2, and the ``mesh=`` form's replicated leaves): their update is
-    all-gathered whole for ``apply_updates``, so they are stepped after the Muon phase
-    (:func:`_late_adamw_phase`)."""
-    if not comm.active or plan.per_stack_state:
-        return ()
-    return tuple(a for a in plan.adamw if a.axis is not None and not a.local)
-
-
 def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
                       leaves, reduced: dict, state, scale, updates: list,
                       muon) -> tuple[Any, Any, Any]:
-    """:func:`_adamw_phase` for the ``late`` leaves, once the Muon phase is through.
+    """:func:`_adamw_phase` for the ``late`` leaves, after the Muon phase.
 
-    Stepped first, the compiler starts the gather of each whole update at once and holds
-    it through the Muon phase (a whole leaf a chip: 192 MiB for nanochat d768's
-    embedding). So on TPU their inputs pass an optimization barrier with the Muon state,
-    and in the ``mesh=`` form with the Muon updates (split there). ZeRO-2's Muon updates
-    are whole leaves, which a barrier would hold all at once (d768x12 on v5e 8 chips:
-    759 MiB of temporaries): there the inputs wait for one element of each instead
-    (:func:`first_elements`; 574 -> 384 MiB). Elsewhere neither, the same arithmetic
-    (XLA:CPU's cost analysis counts an element sliced from an update as all of it).
+    Stepped first, each whole update's gather would start at once and be held through the
+    Muon phase. So on TPU their inputs pass a barrier with the Muon state (and under
+    ``mesh=`` the split Muon updates); ZeRO-2's Muon updates are whole, which a barrier
+    would hold all at once, so there they wait for one element of each instead.
 
-    ``leaves``: ``(g_leaves, p_leaves)``, whole (the ``mesh=`` form slices them here);
-    ``reduced``: ZeRO-2's scaled gradient shares from :func:`_adamw_grads`,
-    reduce-scattered before the Muon phase (the gradient's statistics need them);
-    ``state``: the ``(mu, nu)`` trees."""
+    ``leaves``: whole ``(g_leaves, p_leaves)``; ``reduced``: ZeRO-2's gradient shares,
+    reduce-scattered early for the statistics; ``state``: ``(mu, nu)``."""
     g_leaves, p_leaves = leaves
     mu, nu = (plan.treedef.flatten_up_to(x) for x in state)
-    # ZeRO-2's params stay out of the barrier (with one device they are not varying, as
-    # its other inputs are) and are sliced after it.
+    # ZeRO-2's params stay out of the barrier (on one device they are not varying, unlike
+    # its other inputs) and are sliced after it.
     ins = [(reduced[a.index], None, mu[a.index], nu[a.index]) if a.index in reduced else
            (g_leaves[a.index], None if p_leaves is None else p_leaves[a.index],
             mu[a.index], nu[a.index]) for a in late]
-    # The barrier's outputs are the ones read on: a barrier output nobody reads may be
-    # pruned, and with it the ordering.
+    # Read on the barrier's outputs: one nobody reads may be pruned, and the order with it.
     if comm.grads_reduced:
         tied = ([updates[m.index] for m in plan.muon], muon)
         ins, (muon_updates, muon) = per_platform(
@@ -233,10 +184,9 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
 
 def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads: dict,
                  state, updates: list) -> tuple[Any, Any]:
-    """AdamW leaves, from :func:`_adamw_grads`: fills ``updates`` (a split update is
-    all-gathered back); returns the new ``(mu, nu)`` trees."""
-    mu = plan.treedef.flatten_up_to(state.mu)
-    nu = plan.treedef.flatten_up_to(state.nu)
+    """AdamW leaves, from :func:`_adamw_grads`: fills ``updates`` (split ones gathered
+    back); returns the new ``(mu, nu)``."""
+    mu, nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
     for a in plan.adamw:
         g, p = grads[a.index]
         u, mu[a.index], nu[a.index] = adamw_leaf_update(
@@ -248,9 +198,9 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
 
 
 def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced: bool) -> Cost:
-    """A leaf stepped split has its gradient reduce-scattered (unless ``reduced``) and its
-    update all-gathered; a small one is all-reduced (unless ``reduced``); one split where
-    it lies moves nothing. ``ADAMW_FLOPS_PER_ELEMENT`` an element of ``local_shapes``."""
+    """A leaf stepped split: its gradient reduce-scattered (unless ``reduced``), its update
+    all-gathered; a small one all-reduced (unless ``reduced``); one split where it lies:
+    nothing."""
     n, total = plan.num_devices, Cost()
     for a in plan.adamw:
         split = not a.local and a.axis is not None
@@ -261,25 +211,16 @@ def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced:
     return total
 
 
-# ------------------------------------------------------------------ state layout
-
-
-# ------------------------------------------------------------------ the step
-
-
 def check_update_args(opts: Options, grads, params) -> None:
-    """What ``tx.update`` is given, checked once, before any tracing of the step: the
-    params when the rule reads them, and grads of the params' structure."""
-    if params is None and _needs_params(opts):
+    """``tx.update``'s arguments, checked before the step is traced: the params when the
+    rule reads them, grads of the params' structure."""
+    if params is None and any(not isinstance(c, AdamWConfig) or c.needs_params()
+                              for c in opts.configs.values()):
         raise ValueError(f"{opts.name}: update needs the params (Muon's cautious weight "
                          "decay and AdamW's weight decay read them): call "
                          "tx.update(grads, state, params).")
-    _check_structure(grads, params, opts.name)
-
-
-def _check_structure(grads, params, name: str) -> None:
     if params is not None and jax.tree.structure(grads) != jax.tree.structure(params):
-        raise ValueError(f"{name}: grads and params differ in structure:\n"
+        raise ValueError(f"{opts.name}: grads and params differ in structure:\n"
                          f"grads:  {jax.tree.structure(grads)}\n"
                          f"params: {jax.tree.structure(params)}")
 
@@ -291,15 +232,14 @@ def _check_shapes(plan: TreePlan, g_leaves, p_leaves, name: str) -> None:
                              f"parameter has shape {x.shape}.")
 
 
-def _check_varying(plan: TreePlan, comm: Collectives, g_leaves, name: str) -> None:
+def _check_vma(plan: TreePlan, comm: Collectives, g_leaves, p_leaves, name: str) -> None:
     """Inside the user's shard_map the optimizer averages the gradients itself, so they
-    must arrive per device ("varying"); jax.grad of params passed with P() returns them
-    already summed over the axis (invariant)."""
-    if not comm.active or comm.grads_reduced:
+    must arrive per device ("varying"), not summed by jax.grad of params passed with P();
+    the params must be whole on every device (one split over an owner axis would be
+    orthogonalized block by block). Only ``check_vma=True`` types show either."""
+    if not comm.active or comm.grads_reduced or not varying_axes(jax.lax.axis_index(comm.axes)):
         return
-    if not varying_axes(jax.lax.axis_index(comm.axes)):
-        return  # check_vma=False: no types to read; jax.grad gives per-device gradients
-    for path, g in zip(plan.paths, g_leaves):
+    for path, g in zip(plan.paths, g_leaves or ()):
         missing = [a for a in comm.axes if a not in varying_axes(g)]
         if missing:
             axes = comm.axes[0] if len(comm.axes) == 1 else comm.axes
@@ -313,17 +253,7 @@ def _check_varying(plan: TreePlan, comm: Collectives, g_leaves, name: str) -> No
                 f"(whose accumulator cannot hold per-device gradients between steps here): "
                 f"accumulate the micro-batches' gradients inside one step and call update once "
                 f"(README, 'Gradient accumulation'), or use the mesh= form.")
-
-
-def _check_whole_params(plan: TreePlan, comm: Collectives, p_leaves, name: str) -> None:
-    """Inside the user's shard_map the params must be whole on every device: a param
-    split over an owner axis (``in_specs=P("data")``) would be orthogonalized block by
-    block, a wrong step. Readable from the types under ``check_vma=True`` only."""
-    if not comm.active or comm.grads_reduced or p_leaves is None:
-        return
-    if not varying_axes(jax.lax.axis_index(comm.axes)):
-        return  # check_vma=False: no types to read
-    for path, x in zip(plan.paths, p_leaves):
+    for path, x in zip(plan.paths, p_leaves or ()):
         split = [a for a in comm.axes if a in varying_axes(x)]
         if split:
             raise ValueError(
@@ -344,12 +274,10 @@ def local_init(plan: TreePlan, opts: Options, params: Any) -> MuonAdamWState:
 
 def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
                  moves: Transports) -> GradStats:
-    """:class:`GradStats` of the mean gradient from this device's reduced shares: one
-    ``psum`` of two scalars over the split shares, plus the replicated small leaves."""
+    """:class:`GradStats` from this device's reduced shares (see :mod:`~muon_optax.step.guard`)."""
     split = [grads[a.index][0] for a in plan.adamw if a.axis is not None]
     split += moves.reduced_buffers()
-    whole = [grads[a.index][0] for a in plan.adamw if a.axis is None]
-    total = sums(whole)
+    total = sums([grads[a.index][0] for a in plan.adamw if a.axis is None])
     if split:
         total = total + jax.lax.psum(sums(split), comm.axes)
     return from_sums(total, opts.max_grad_norm, opts.skip_nonfinite)
@@ -357,15 +285,13 @@ def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
 
 def local_update(plan: TreePlan, opts: Options, grads, state, params,
                   stats: GradStats | None = None):
-    """One step on this device. ``stats``: the gradient's clipping and finiteness when
-    computed by the caller (the ``mesh=`` form, on the global arrays); else computed
-    here from the mean gradient (one device, ZeRO-2) if the options ask for them."""
+    """One step on this device. ``stats``: the clip factor and finiteness, if the caller
+    computed them (``mesh=``, on the global arrays); else computed here if asked for."""
     comm = Collectives(opts.axes, grads_reduced=opts.mesh is not None, where=opts.name)
     g_leaves = plan.treedef.flatten_up_to(grads)
     p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
     _check_shapes(plan, g_leaves, p_leaves, opts.name)
-    _check_varying(plan, comm, g_leaves, opts.name)
-    _check_whole_params(plan, comm, p_leaves, opts.name)
+    _check_vma(plan, comm, g_leaves, p_leaves, opts.name)
     ref = p_leaves or g_leaves
     dtypes = [x.dtype for x in ref]
     check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref], dtypes,
@@ -373,11 +299,13 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
                  opts.name, dtypes)
     count = state.count
     hps = {name: c.at(count) for name, c in opts.configs.items()}
-    late = _late_adamw(plan, comm)
+    owners = comm.active and not plan.per_stack_state
+    # AdamW leaves whole on every device but stepped split (ZeRO-2, mesh='s replicated
+    # leaves) go after the Muon phase: their updates are gathered whole.
+    late = tuple(a for a in plan.adamw if a.axis is not None and not a.local) if owners else ()
     early = dataclasses.replace(plan, adamw=tuple(a for a in plan.adamw if a not in late))
     adamw_grads = _adamw_grads(early if comm.grads_reduced else plan, comm, g_leaves, p_leaves)
     g_view, p_view = _block_views(plan, g_leaves), _block_views(plan, p_leaves)
-    owners = comm.active and not plan.per_stack_state
     moves = Transports(plan.owner, g_view, comm) if owners else None
     if stats is None and (opts.max_grad_norm is not None or opts.skip_nonfinite):
         stats = (_zero2_stats(plan, opts, comm, adamw_grads, moves) if moves
@@ -406,8 +334,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
 
 
 def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
-    """The Muon leaves in their block views (:meth:`MatrixLeaf.view`: a reshape, the
-    identity without blocks); the others as they are."""
+    """The Muon leaves in their block views (:meth:`MatrixLeaf.view`), the others as is."""
     if leaves is None:
         return None
     out = list(leaves)
@@ -416,13 +343,8 @@ def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
     return out
 
 
-def _needs_params(opts: Options) -> bool:
-    return any(not isinstance(c, AdamWConfig) or c.needs_params() for c in opts.configs.values())
-
-
 def local_fns(opts: Options):
-    """``(init, update)`` of the one-device form and of the ``shard_map`` form (run
-    inside the user's ``shard_map``, where the owner axes are bound)."""
+    """``(init, update)`` of the one-device and ``shard_map`` forms."""
 
     def axes_here() -> tuple[tuple[str, int], ...]:
         if opts.axes is None:
@@ -434,9 +356,9 @@ def local_fns(opts: Options):
         plan = tree_plan(opts, params, axes_here())
         if opts.axes is None:
             warn_if_split(plan.treedef.flatten_up_to(params), list(plan.paths), opts.name)
-        if opts.axes is not None:
-            _check_whole_params(plan, Collectives(opts.axes, where=opts.name),
-                                plan.treedef.flatten_up_to(params), opts.name)
+        else:
+            _check_vma(plan, Collectives(opts.axes, where=opts.name), None,
+                       plan.treedef.flatten_up_to(params), opts.name)
         return local_init(plan, opts, params)
 
     def update_fn(grads, state, params=None):

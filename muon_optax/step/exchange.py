@@ -2,14 +2,9 @@
 of every matrix go to its owner in an all-to-all and are reassembled there; the
 directions go back cut into the holders' blocks, in another.
 
-On TPU both all-to-alls go in column pieces (chosen when the step is lowered), each
-piece sent just before the load that first reads it and each back piece as soon as the
-stacks that write it are stored, so that neither direction holds every piece at once.
-Elsewhere each is one all-to-all. Where every piece and matrix is whole TPU tiles, the
-pieces travel as :func:`muon_optax.step.rows.lanes` lays them out (each device's row a run
-of tiles), so that a matrix is read out of them by a slice, not a strided copy. The same
-bytes travel; the results are the same, bit for bit (tests/test_collectives.py forces the
-TPU form on CPU through :data:`muon_optax.rule.platform.FORCED`).
+On TPU both go in column pieces (in :func:`~muon_optax.step.rows.lanes` where the cuts are
+whole tiles), each sent just before its first load or once complete, so no one holds every
+piece at once; elsewhere each is one all-to-all. The results are the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from muon_optax.plan.plan import OwnerPlan, StackPlan
 from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.order import wait_for
 from muon_optax.rule.platform import per_platform
-from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
+from muon_optax.step.collectives import Collectives, flat_rows, row_slice
 from muon_optax.step.rows import (
     device_rows,
     dynamic_slice,
@@ -44,21 +39,19 @@ from muon_optax.step.rows import (
 
 
 def exchange_piece(owner: OwnerPlan) -> int:
-    """Elements of each row in one piece of an exchange transport's all-to-all where it
-    goes in pieces (TPU): half a largest holder's block, so a piece of every row
-    together holds about half a largest Muon matrix. Measured on the TPU compiler (FSDP,
-    v5p:8): half a block left fewer temporaries than a whole, a quarter or 3/8 of one."""
+    """Elements of each row in one piece of an all-to-all on TPU: half a largest holder's
+    block (fewer temporaries than a whole, a quarter or 3/8 of one), so a piece of every
+    row together holds about half a largest Muon matrix."""
     return max([1] + [sp.route.block_size for sp in owner.stacks
                       if sp.transport == EXCHANGE]) // 2 or 1
 
 
 def _grid_to_matrix(route, x: jax.Array) -> jax.Array:
-    """``(n, blocks, block_size)`` (blocks row-major over the grid, each as
-    :func:`muon_optax.step.rows.flat` lays it out) -> ``(n, *mshape)``."""
+    """``(n, blocks, block_size)`` (blocks row-major over the grid, each laid out by
+    :func:`~muon_optax.step.rows.flat`) -> ``(n, *mshape)``."""
     n, g, b = x.shape[0], route.grid, route.block_shape
     x = shaped(x, (n, math.prod(g)) + b, len(b)).reshape((n,) + g + b)
-    dims = len(g)
-    perm = (0,) + tuple(a for i in range(dims) for a in (1 + i, 1 + dims + i))
+    perm = (0,) + tuple(a for i in range(len(g)) for a in (1 + i, 1 + len(g) + i))
     return jnp.transpose(x, perm).reshape((n,) + route.mshape)
 
 
@@ -66,30 +59,24 @@ def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
     """Inverse of :func:`_grid_to_matrix`."""
     n, g, b = x.shape[0], route.grid, route.block_shape
     x = x.reshape((n,) + tuple(v for pair in zip(g, b) for v in pair))
-    dims = len(g)
-    perm = (0,) + tuple(1 + 2 * i for i in range(dims)) + tuple(2 + 2 * i for i in range(dims))
+    perm = (0,) + tuple(range(1, 2 * len(g), 2)) + tuple(range(2, 2 * len(g) + 1, 2))
     x = jnp.transpose(x, perm).reshape((n, math.prod(g)) + b)
     return flat(x, len(b)).reshape(n, math.prod(g), route.block_size)
 
 
 def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
-    """``fn(member)`` for slots ``j0 .. j0+n`` along ``axis``, where members of the stack
-    are laid out differently: each layout's result, picked per slot (the device's own
-    table row). One layout: just its result.
+    """``fn(member)`` for slots ``j0 .. j0+n`` along ``axis``, picked per slot among the
+    stack's layouts (this device's table row).
 
-    Why variants rather than the layout in the stack's signature: leaves of one stored
-    shape split differently (a Flax kernel and a PyTorch-layout one, one split on rows
-    and one on columns) share one stack: one batched polar program and one balance over
-    the devices. Split apart, each part is balanced on its own and may leave a remainder
-    slot (a ``lax.cond``) on some devices. The price is a reshape per variant of the
-    received pieces: memory traffic of the gradient's size, no matmul.
+    Leaves of one stored shape split differently (a Flax kernel on rows, a PyTorch one on
+    columns) share one stack: one polar program, one balance over the devices (apart, each
+    might leave a remainder slot, a ``lax.cond``), for a reshape per layout.
     """
     reps, table = sp.variants()
     if len(reps) == 1:
         return fn(reps[0])
     mine = jnp.asarray(comm.pick(table))[j0:j0 + n]
-    shape = [1] * (axis + 1)
-    shape[axis] = n
+    shape = [1] * axis + [n]
     out = fn(reps[0])
     for v, i in enumerate(reps[1:], start=1):
         out = jnp.where((mine == v).reshape(shape + [1] * (out.ndim - axis - 1)), fn(i), out)
@@ -99,10 +86,9 @@ def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int
 class ExchangeSource:
     """Owned matrices of the ``"exchange"`` stacks of one dtype, by one all-to-all.
 
-    Every device cuts its block of each matrix into ``replicas`` equal sub-pieces and
-    sends its owner the one matching its place among the block's holders, so all sources
-    send the same number of elements per matrix and the owner reassembles by a fixed
-    permutation.
+    Every device cuts its block of each matrix into ``replicas`` equal sub-pieces and sends
+    the owner the one matching its place among the block's holders: all send the same
+    number of elements, and the owner reassembles them by a fixed permutation.
     """
 
     def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
@@ -113,11 +99,9 @@ class ExchangeSource:
         self.width = max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + self.width))
                        for c0 in range(0, max(length, 1), self.width)]
-        # The exchanged pieces' rows as rows.lanes(., lane): slabs of whole tiles on TPU.
         routes = [r for k in self.channel.stacks for r in owner.stacks[k].routes]
         self.lane = lane_of(dtype, self.width, length, self.channel.offsets,
                             [r.piece for r in routes], [r.block_size for r in routes])
-        # The gradients this channel sends, and each device's parts of them.
         self.members = [m.index for k in self.channel.stacks
                         for m in self.owner.stacks[k].stack.members]
         flat, unflatten = flat_rows(self._parts(leaves))
@@ -126,7 +110,7 @@ class ExchangeSource:
             got = comm.exchange(jnp.stack(device_rows(unflatten(flat), length, dtype)))
             return [jax.lax.slice_in_dim(got, c0, c1, axis=1) for c0, c1 in self.bounds]
 
-        def none_yet(*flat):   # TPU: each piece is exchanged by the load that first needs it
+        def none_yet(*flat):   # TPU: the load that first needs a piece exchanges it
             del flat
             return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
 
@@ -138,8 +122,7 @@ class ExchangeSource:
             self.received = per_platform("exchange", *flat, tpu=none_yet, default=whole)
 
     def _parts(self, leaves) -> list[list[jax.Array]]:
-        """Per device, the parts of ``leaves`` (indexed as the params: a list, or a dict
-        of this channel's) it is sent."""
+        """Per device, the parts of ``leaves`` (a list, or a dict of this channel's) it is sent."""
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
@@ -147,8 +130,8 @@ class ExchangeSource:
         return parts
 
     def _piece_leaves(self) -> list[list[int]]:
-        """Per piece, the leaves (their indices in ``self.members``) that some device's
-        columns of it are cut from, as :meth:`_parts` lays them out."""
+        """Per piece, the leaves (indices in ``self.members``) some device's columns of it
+        are cut from."""
         position = {index: i for i, index in enumerate(self.members)}
         runs = []   # (first column, end, member position), every device's row
         for d in range(self.comm.size):
@@ -163,29 +146,20 @@ class ExchangeSource:
         return [sorted({i for a, b, i in runs if a < c1 and c0 < b}) for c0, c1 in self.bounds]
 
     def _exchange(self, first: int, last: int, leaves, got: dict, prev) -> dict:
-        """Pieces ``first .. last-1`` not yet in ``got``, each exchanged (TPU): packed
-        from the gradients once ``prev`` (the previous stack's direction) and the
-        previous piece are in, so that a piece is received just before the load that
-        first reads it, not all of them before the first stack runs. The same bytes
-        travel."""
+        """Pieces ``first .. last-1`` not yet in ``got``, exchanged (TPU), each packed once
+        ``prev`` (the previous stack's direction) and the previous piece are in, so it is
+        received just before the load that first reads it."""
         got, now = dict(got), dict(zip(self.members, leaves))
         for p in range(first, last):
             if p in got:
                 continue
-            c0, c1 = self.bounds[p]
-            # Only the leaves this piece is cut from wait (the others' parts are not read).
-            used = self.piece_leaves[p]
+            used = self.piece_leaves[p]   # only the leaves this piece is cut from wait
             held = wait_for([leaves[i] for i in used], got.get(p - 1), prev)
             rows = self._parts({**now, **{self.members[i]: x for i, x in zip(used, held)}})
-            packed = jnp.stack([lanes(row_slice(r, c0, c1, self.dtype), self.lane)
+            packed = jnp.stack([lanes(row_slice(r, *self.bounds[p], self.dtype), self.lane)
                                 for r in rows])
             got[p] = self.comm.exchange(packed)
         return got
-
-    @staticmethod
-    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
-        """An all-to-all of this device's ``(N, length)`` pieces, all but its own row."""
-        return Cost((owner.num_devices - 1) * owner.exchange[dtype].length * dtype.itemsize)
 
     def _pieces(self, sp: StackPlan, leaves: list[jax.Array]) -> list[jax.Array]:
         """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
@@ -208,20 +182,16 @@ class ExchangeSource:
         p0 = int(offsets.min()) // self.width
         p1 = min(len(self.bounds), (int(offsets.max()) + n * piece - 1) // self.width + 1)
 
-        def columns(first, last, lane):  # pieces first .. last-1, this device's columns
-            def cut(got):                  # within (in units of `lane` elements)
-                got = got[first:last]
-                cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
-                start = (self.comm.pick(np.asarray(self.channel.offsets[k]) // lane)
-                         + (j0 * piece - first * self.width) // lane)
-                return dynamic_slice(cols, start, n * piece // lane, 1)
-            return cut
+        def columns(got, first, lane):  # this device's columns of pieces first, first+1 ..
+            cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
+            start = (self.comm.pick(np.asarray(self.channel.offsets[k]) // lane)
+                     + (j0 * piece - first * self.width) // lane)   # in `lane` elements
+            return dynamic_slice(cols, start, n * piece // lane, 1)
 
-        # On TPU only the pieces covering these columns on any device, exchanged here if
-        # no earlier load did; elsewhere the one received buffer (its pieces end to
-        # end), sliced as before the pieces.
+        # On TPU the pieces covering these columns on any device, exchanged here if no
+        # earlier load did; elsewhere the one received buffer.
         def whole(received):
-            return lanes(columns(0, len(received), 1)(received), lane)
+            return lanes(columns(received, 0, 1), lane)
 
         if self.comm.size == 1:
             raw = whole(self.received)
@@ -235,7 +205,7 @@ class ExchangeSource:
                 wait = args[-1] if prev is not None else None
                 got = self._exchange(p0, p1, leaves, dict(zip(have, held)), wait)
                 pieces = wait_for([got[p] for p in range(p0, p1)], wait)
-                return (columns(p0, p1, lane)([None] * p0 + pieces), *[got[p] for p in new])
+                return (columns(pieces, p0, lane), *[got[p] for p in new])
 
             def default(*args):
                 del args
@@ -259,10 +229,9 @@ class ExchangeSource:
 
 
 class Directions(NamedTuple):
-    """An exchange sink's directions so far: the ``(N, length)`` buffer (sent whole, not on
-    TPU); on TPU the pieces being written (``(N, width)``) and those sent (``0 ..
-    len(got)-1``, in order; as received, in :func:`muon_optax.step.rows.lanes`), and the
-    last store's result, which the next load waits for."""
+    """An exchange sink's directions so far: the ``(N, length)`` buffer (not on TPU); on
+    TPU the pieces being written, ``(N, width)``, those sent (``0 .. len(got)-1``, as
+    received), and the last store's result, which the next load waits for."""
     buffer: jax.Array
     parts: dict
     got: dict
@@ -270,35 +239,23 @@ class Directions(NamedTuple):
 
 
 class ExchangeSink:
-    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block.
-
-    Elsewhere than on TPU every store goes into one ``(N, length)`` buffer sent by one
-    all-to-all once every stack has run. On TPU the columns are kept in pieces of
-    :func:`exchange_piece` elements a row, each sent as soon as the stores that can
-    write it are done, so neither the whole buffer nor every direction is alive across
-    the Muon loop. The same bytes travel.
-    """
+    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block, from
+    one ``(N, length)`` buffer sent once every stack has run or, on TPU, from pieces each
+    sent once no later store can write it."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm, self.dtype = owner, comm, dtype
         self.channel = owner.back[dtype]
         length, width = self.channel.length, max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
-        # Pieces are written as (N, width) rows and sent as rows.lanes(., lane), so that
-        # each holder reads its blocks out of the received pieces as slices of whole tiles
-        # (TPU). Written in lanes too, the stores left more temporaries (FSDP d768x12,
-        # v5p:8: 77.9 MiB against 71.1).
+        # Pieces are written as (N, width) rows (in lanes, the stores left more
+        # temporaries) and sent in lanes, so a holder reads its blocks by slices.
         self.lane = lane_of(dtype, width, length, self.channel.offsets,
                             [owner.stacks[k].route.block_size for k in self.channel.stacks])
 
     def empty(self) -> Directions:
         return Directions(jnp.zeros((self.comm.size, self.channel.length), self.dtype),
                           {}, {}, None)
-
-    @staticmethod
-    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
-        """The all-to-all of the holders' blocks back."""
-        return Cost((owner.num_devices - 1) * owner.back[dtype].length * dtype.itemsize)
 
     def store(self, acc: Directions, k: int, j0: int, o: jax.Array,
               owned: jax.Array | None) -> Directions:
@@ -321,11 +278,10 @@ class ExchangeSink:
 
         if self.comm.size == 1:
             return acc._replace(buffer=whole())
-        # TPU: the rows go straight into the unsent pieces they may fall in on some
-        # device; the pieces complete after this store (on every device the next real
-        # write starts past them: stacks lie in the channel in order, slots in order
-        # within a stack, an unowned slot writes nothing) are sent. So pieces go back in
-        # order, and those sent are the first len(acc.got): nothing to keep count of.
+        # TPU: the rows go into the unsent pieces they may fall in on some device; the
+        # pieces complete after this store are sent (stacks lie in the channel in order,
+        # and slots in a stack, so the next write on every device starts past them).
+        # Pieces go back in order: those sent are the first len(acc.got).
         size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
         lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
         unsent = range(len(acc.got), len(self.bounds))
@@ -360,13 +316,11 @@ class ExchangeSink:
     @staticmethod
     def _into(part: jax.Array, rows: jax.Array, start, c0: int, first: int, last: int,
               owned: jax.Array | None) -> jax.Array:
-        """``part`` (columns ``c0 ..`` of the direction buffer) with whatever of ``rows``
-        (columns ``start ..`` on this device, ``first <= start <= last`` on every
-        device) falls in it. Only the columns of the rows that can fall in it on some
-        device are read, padded by the piece's width on each side, so that the window
-        read for the piece starts inside them wherever they overlap it (no clamped
-        read); columns outside the rows (or of a slot this device does not own) keep
-        the piece's values."""
+        """``part`` (columns ``c0 ..`` of the buffer) with whatever of ``rows`` (columns
+        ``start ..`` here, ``first <= start <= last`` everywhere) falls in it; other columns,
+        and all of a slot not owned, keep the piece's values. The rows that can fall in it
+        on some device are padded by the piece's width on each side, so the window read
+        starts inside them (no clamped read)."""
         length, width = rows.shape[1], part.shape[1]
         a, b = max(0, c0 - last), min(length, c0 + width - first)
         padded = jnp.pad(rows[:, a:b], ((0, 0), (width, width)))
@@ -402,8 +356,7 @@ class ExchangeSink:
 
     def _from_pieces(self, got: list[jax.Array],
                      local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
-        """Every leaf's blocks from the received column pieces (TPU), each leaf read from
-        the pieces holding its blocks only."""
+        """Every leaf's blocks from the received column pieces (TPU)."""
         out = {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]

@@ -1,25 +1,13 @@
-"""Global-norm clipping and skipped non-finite steps, on the mean gradient.
-
-Both read the whole gradient, so in the ZeRO-2 form (inside the user's ``shard_map``,
-each device holding its own unreduced gradient) they cannot come from a transform
-chained before the optimizer: that one would see one device's gradient. Here they run
-inside the step, after the reduction. With ``g`` the mean gradient over the devices:
+"""Global-norm clipping and skipped non-finite steps, on the mean gradient ``g``:
 
     norm   = sqrt(sum over every element of every leaf of g^2)
     scale  = 1 if norm < max_grad_norm else max_grad_norm / norm
     finite = every element of g is finite
 
-which is ``optax.clip_by_global_norm(max_grad_norm)`` on one device fed the global
-batch. A step with a non-finite element returns zero updates and the state it was given,
-except ``skipped``, which counts such steps.
-
-Where the numbers come from:
-
-- one device, and the ``mesh=`` form (plain ``jax.jit``, the gradients are the usual
-  global arrays): :func:`global_stats` of the gradients, before the step;
-- ZeRO-2: each device sums its reduce-scattered shares (every element is in exactly one
-  device's share; zero padding adds nothing) and one ``psum`` of two scalars adds them
-  up; the small all-reduced leaves, the same on every device, are added after it.
+as ``optax.clip_by_global_norm`` on one device fed the global batch; a non-finite step
+returns zero updates and the old state, but one more ``skipped``. Under ZeRO-2 a transform
+chained before the optimizer would see one device's gradient, so these run in the step:
+each device sums its reduce-scattered shares, and one ``psum`` adds them up.
 """
 
 from __future__ import annotations
@@ -55,7 +43,7 @@ def sums(leaves: Iterable[jax.Array]) -> jax.Array:
 
 
 def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> GradStats:
-    """The step's :class:`GradStats` from the summed ``[sum of g^2, non-finite count]``."""
+    """:class:`GradStats` from the summed ``[sum of g^2, non-finite count]``."""
     scale = None
     if max_grad_norm is not None:
         norm = jnp.sqrt(total[0])
@@ -64,10 +52,8 @@ def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> Grad
 
 
 def stats_cost(plan: TreePlan, given: list, reduced: bool, on: bool) -> Cost:
-    """When ``on``, one all-reduce of float32 pairs ``[sum of g^2, non-finite count]``: one
-    in ZeRO-2 (:func:`from_sums`) if a share is reduce-scattered; in the ``mesh=`` form
-    (:func:`global_stats`) one for each leaf split where it lies (``given``). The
-    ``skipped`` counter, replicated and stepped alike everywhere, sends nothing."""
+    """When ``on``, all-reduces of float32 pairs: one under ZeRO-2 if a share is
+    reduce-scattered; under ``mesh=`` one per leaf split where it lies (``given``)."""
     pairs = (sum(1 for spec in given if any(spec)) if reduced else int(bool(plan.owner.gather)
              or any(a.axis is not None and not a.local for a in plan.adamw)))
     return Cost(2 * (plan.num_devices - 1) / plan.num_devices * 2 * 4 * pairs if on else 0.0)
@@ -80,14 +66,12 @@ def global_stats(grads: Any, max_grad_norm: float | None, skip: bool) -> GradSta
 
 def scaled(g: jax.Array, scale: jax.Array | None) -> jax.Array:
     """``g * scale`` in float32, back in ``g``'s dtype (as a clipped gradient arrives)."""
-    if scale is None:
-        return g
-    return (g.astype(jnp.float32) * scale).astype(g.dtype)
+    return g if scale is None else (g.astype(jnp.float32) * scale).astype(g.dtype)
 
 
 def select(finite: jax.Array | None, updates: list, new_state: Any, old_state: Any):
-    """The step's ``(updates, state)``: as computed where ``finite``, else zero updates,
-    the old state and one more skipped step."""
+    """``(updates, state)`` where ``finite``, else zero updates, the old state and one more
+    skipped step."""
     if finite is None:
         return updates, new_state
     updates = [jnp.where(finite, u, jnp.zeros((), u.dtype)) for u in updates]
@@ -99,18 +83,17 @@ def select(finite: jax.Array | None, updates: list, new_state: Any, old_state: A
 
 def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
     """The two options as the constructors take them, or a clear error. A 0-d array is
-    taken as is (``optax.inject_hyperparams`` hands in numbers as traced arrays)."""
+    kept (``optax.inject_hyperparams`` hands in numbers as arrays)."""
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(f"{where}: skip_nonfinite must be True or False, "
                         f"got {skip_nonfinite!r}.")
     if max_grad_norm is None:
         return None
     if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:
-        if concrete_value(max_grad_norm) is None:  # traced: known only when the step runs
-            return max_grad_norm
-        # A concrete array gets a float's checks (0, NaN or -1 would zero, NaN or flip
-        # every update), and stays an array (inject_hyperparams keeps it in the state).
-        check_options(concrete_value(max_grad_norm), skip_nonfinite, where)
+        # Checked as a float if concrete (a traced one is known only when the step runs);
+        # it stays an array, which inject_hyperparams keeps in the state.
+        if concrete_value(max_grad_norm) is not None:
+            check_options(concrete_value(max_grad_norm), skip_nonfinite, where)
         return max_grad_norm
     if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) \
             or not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):

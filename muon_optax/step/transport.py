@@ -1,20 +1,13 @@
 """Moving Muon matrices to their owners and their directions back (the transports of
-:mod:`muon_optax.plan.routes`).
+:mod:`muon_optax.plan.routes`). Each stack reads its owned matrices through a *source* and
+writes their directions into a *sink*, from which every device gets its leaves' directions
+(values in, values out: neither keeps anything while a step is traced):
 
-Each stack reads its owned matrices through a *source* and writes their directions into
-a *sink*, from which every device gets its leaves' directions back. One source and one
-sink per transport, values in and values out (:class:`Transports` shows how they are used;
-neither keeps anything while a step is traced):
-
-- gather:   flat device-major buffer -> reduce-scatter (or this device's own slice of
-            already reduced gradients) ... directions -> flat share -> all-gather;
-- exchange: equal pieces of every matrix -> all-to-all -> reassembled on the owner ...
-            directions cut into the holders' blocks -> all-to-all -> each holder's block
-            (:mod:`muon_optax.step.exchange`);
+- gather:   flat device-major buffer -> reduce-scatter (or this device's slice of reduced
+            gradients) ... directions -> flat share -> all-gather;
+- exchange: pieces of every matrix -> all-to-all -> the owner ... directions -> all-to-all
+            -> each holder's block (:mod:`~muon_optax.step.exchange`);
 - local:    the device's own matrices, read and written in place.
-
-All positions are static (from the plan) or, where they depend on the device, read from
-small tables indexed by ``axis_index``.
 """
 
 from __future__ import annotations
@@ -47,40 +40,28 @@ from muon_optax.step.rows import (
     span,
 )
 
-# ------------------------------------------------------------------ gather transport
-
-
-# A piece of every device's row together holds at most this many largest Muon matrices.
-# Measured on the TPU compiler at 8 chips (ZeRO-2, d768x12): pieces of one largest matrix a
-# chip left fewer temporaries than pieces of two; on 64 chips a row is about one largest
-# matrix, so pieces of one a chip were the whole buffer (576 MiB packed, again received).
+# A piece of every device's row together holds at most this many largest Muon matrices
+# (on 64 chips a row is about one largest matrix: pieces of one a chip were the buffer).
 PIECE_MATRICES = 8
-# The most devices whose gathered directions go in whole tiles (GatherSink._by_pieces).
-# Measured (ZeRO-2 d768x12, v5p): temporaries 469 -> 270 MiB on 16 chips, 436 -> 264 on
-# 32, but 502 -> 798 on 64, where the TPU compiler makes each all-gather over the whole
-# slice an all-reduce (BENCHMARKS.md).
+# The most devices whose gathered directions go in whole tiles: on 64 chips, where the TPU
+# compiler makes each all-gather an all-reduce, tiles raised temporaries (BENCHMARKS.md).
 LANES_MAX_DEVICES = 32
 
 
 def scatter_piece(owner: OwnerPlan) -> int:
-    """Elements of each device's row in one piece of the gradients' reduce-scatter and
-    the directions' all-gather where they go in pieces (TPU,
-    :meth:`Collectives.mean_scatter_rows`, :meth:`GatherSink._by_pieces`): one largest
-    Muon matrix a device, but a piece of every row together at most ``PIECE_MATRICES``
-    of them (more devices, narrower pieces)."""
+    """Elements of each device's row in one piece of the gradients' reduce-scatter and the
+    directions' all-gather on TPU: one largest Muon matrix, but at most ``PIECE_MATRICES``
+    of them across all the rows of a piece."""
     largest = max([1] + [sp.stack.rows * sp.stack.cols for sp in owner.stacks])
     devices = max(1, owner.num_devices)
     return max(1, largest * min(devices, PIECE_MATRICES) // devices)
 
 
 class GatherSource:
-    """Owned matrices of the ``"gather"`` stacks of one dtype.
-
-    With per-device gradients (ZeRO-2), every device packs all its gradients into a flat
-    buffer, device ``d``'s matrices in ``d``'s share, and one reduce-scatter (mean)
-    leaves each device the mean gradients of its own matrices. With reduced gradients
-    (plain jit) a device stacks its own matrices from the whole leaves.
-    """
+    """Owned matrices of the ``"gather"`` stacks of one dtype. Under ZeRO-2 every device
+    packs its gradients into a flat buffer, device ``d``'s matrices in ``d``'s share, and
+    one reduce-scatter (mean) leaves each device the mean of its own; with reduced gradients
+    (``mesh=``) a device stacks its own from the whole leaves."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
                  comm: Collectives):
@@ -88,20 +69,14 @@ class GatherSource:
         self.channel = owner.gather[dtype]
         self.buffer = None if comm.grads_reduced else self._reduce_scatter(dtype)
 
-    @staticmethod
-    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
-        """The reduce-scatter of the flat buffer (a share: the channel), unless ``reduced``."""
-        n = 0 if reduced else owner.num_devices - 1
-        return Cost(n * owner.gather[dtype].length * dtype.itemsize)
-
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
-        ch = self.channel
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
-        for k in ch.stacks:
+        for k in self.channel.stacks:
             sp = self.owner.stacks[k]
             owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
                         parts, flat)
-        return self.comm.mean_scatter_rows(parts, ch.length, scatter_piece(self.owner), dtype)
+        return self.comm.mean_scatter_rows(parts, self.channel.length, scatter_piece(self.owner),
+                                           dtype)
 
     def load(self, held: dict, k: int, j0: int, n: int, prev: jax.Array | None):
         sp = self.owner.stacks[k]
@@ -112,8 +87,7 @@ class GatherSource:
             x = dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
             return shaped(x, (n, st.rows, st.cols)), held
         mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
-        if isinstance(mine, np.ndarray):   # the same slots on every device (one device)
-            # Only these slots are stacked: a chunk's copy, not the stack's.
+        if isinstance(mine, np.ndarray):   # one device: stack only these slots, not all
             return jnp.concatenate([st.members[i].to_stored(after(
                 self.leaves[st.members[i].index], prev))[lo:hi]
                 for i, lo, hi in member_runs(st, mine.reshape(-1))]), held
@@ -124,17 +98,12 @@ class GatherSource:
 
 
 class GatherSink:
-    """Directions of the ``"gather"`` stacks: this device's share, all-gathered (also on
-    a one-device axis, where the all-gather marks the result replicated)."""
+    """Directions of the ``"gather"`` stacks: this device's share, all-gathered (on a
+    one-device axis too, which marks the result replicated)."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm = owner, comm
         self.channel, self.dtype = owner.gather[dtype], dtype
-
-    @staticmethod
-    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
-        """The all-gather of this device's share of directions."""
-        return Cost((owner.num_devices - 1) * owner.gather[dtype].length * dtype.itemsize)
 
     def empty(self) -> jax.Array:
         return jnp.zeros(self.channel.length, self.dtype)   # this device's share
@@ -167,14 +136,12 @@ class GatherSink:
         return out
 
     def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
-        """The share gathered in column pieces of at most ``piece`` elements, each as
-        ``(N, piece)`` rows (on TPU a gathered 1-D buffer cut into rows is a relayout
-        copy of all of it). A leaf is read out once the pieces holding its matrices are
-        in; each piece is gathered once the previous one is, so that the gathered
-        directions are not all alive at once. The same bytes travel. Where every cut is
-        whole tiles (and on at most ``LANES_MAX_DEVICES``), each piece goes as
-        :func:`muon_optax.step.rows.lanes` lays it out, so that a matrix is read out of
-        the gathered rows by a slice, not a strided copy."""
+        """The share gathered in column pieces of at most ``piece`` elements, as ``(N,
+        piece)`` rows (on TPU, cutting a gathered 1-D buffer into rows copies all of it),
+        each after the previous one, so that not all directions are alive at once; a leaf
+        is read out once its pieces are in. Where every cut is whole tiles (on at most
+        ``LANES_MAX_DEVICES``), pieces go in :func:`~muon_optax.step.rows.lanes` so a
+        matrix is read out by a slice, not a strided copy."""
         length, piece = self.channel.length, max(1, piece)
         bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
         stacks = [self.owner.stacks[k].stack for k in self.channel.stacks]
@@ -197,9 +164,6 @@ class GatherSink:
                 rows = jnp.stack([span(got, bounds, d, at, size, lane) for d, at in spans])
                 out[m.index] = m.from_stored(shaped(rows, (m.batch, st.rows, st.cols)))
         return out
-
-
-# ------------------------------------------------------------------ local transport
 
 
 class LocalSource:
@@ -240,14 +204,10 @@ class LocalSink:
         return out
 
 
-# ------------------------------------------------------------------ all transports
-
-
 class Transports:
-    """The sources and sinks of every stack, by transport and dtype. What one load or
-    store leaves the next is the ``carry`` the Muon loop threads (first :meth:`empty`):
-    by transport and dtype, the source's ``held`` (a dict: a stack's stacked copy, the
-    pieces received) and the sink's ``acc`` (the directions stored so far)."""
+    """The sources and sinks of every stack, by transport and dtype. The Muon loop threads
+    a ``carry`` (first :meth:`empty`) holding per key the source's ``held`` (a stack's
+    stacked copy, the pieces received) and the sink's ``acc`` (directions stored so far)."""
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
@@ -264,11 +224,13 @@ class Transports:
 
     @staticmethod
     def cost(owner: OwnerPlan, reduced: bool) -> Cost:
-        """The sum of the sources' and sinks' :meth:`__init__` makes (local: nothing)."""
-        return sum((cls.cost(owner, dt, reduced)
-                    for dts, classes in ((owner.gather, (GatherSource, GatherSink)),
-                                         (owner.exchange, (ExchangeSource, ExchangeSink)))
-                    for dt in dts for cls in classes), Cost())
+        """What one device sends: a ring's ``n - 1`` shares of each channel, the gather's
+        twice (its reduce-scatter, unless ``reduced``, and all-gather; local: nothing)."""
+        ring = owner.num_devices - 1
+        return sum((Cost(times * ring * channels[dt].length * dt.itemsize)
+                    for channels, times in ((owner.gather, 1 if reduced else 2),
+                                            (owner.exchange, 1), (owner.back, 1))
+                    for dt in channels), Cost())
 
     def _key(self, k: int):
         sp = self.owner.stacks[k]
@@ -279,23 +241,20 @@ class Transports:
 
     def load(self, carry: dict, k: int, j0: int, n: int, prev: jax.Array | None,
              scale: jax.Array | None) -> tuple[jax.Array, dict]:
-        """Slots ``j0 .. j0+n`` of stack ``k`` on this device, ``(n, R, C)``, times ``scale``
-        (the clip factor, or None), and the new ``carry``. ``prev``: the previous stack's
-        direction; a source that copies (stacks) the leaves waits for it, so that one
-        stack's copy is alive at a time."""
+        """Slots ``j0 .. j0+n`` of stack ``k``, ``(n, R, C)``, times ``scale`` (or None), and
+        the new ``carry``. A source that copies the leaves waits for ``prev`` (the previous
+        stack's direction), so that one stack's copy is alive at a time."""
         key = self._key(k)
         held, acc = carry[key]
         if key[0] == EXCHANGE and acc.stored is not None:
-            # On TPU an exchange load waits for the last store (its direction cut into
-            # the holders' blocks, or the pieces it completed sent), so that no
-            # direction waits for the end of the Muon loop to be stored.
+            # On TPU an exchange load waits for the last store, so that no direction
+            # waits for the end of the Muon loop to be stored.
             prev = acc.stored
         x, held = self.sources[key].load(held, k, j0, n, prev)
         return scaled(x, scale), {**carry, key: (held, acc)}
 
     def reduced_buffers(self) -> list[jax.Array]:
-        """The reduce-scattered gradient shares (ZeRO-2): every Muon element in exactly
-        one device's share, padding zero. Only the gather transport reduces."""
+        """The reduce-scattered gradient shares (ZeRO-2): each Muon element in one share."""
         if any(sp.transport != GATHER for sp in self.owner.stacks):
             raise NotImplementedError("only the gather transport reduces per-device "
                                       "gradients (ZeRO-2)")
@@ -304,16 +263,14 @@ class Transports:
 
     def store(self, carry: dict, k: int, j0: int, o: jax.Array,
               owned: jax.Array | None = None) -> dict:
-        """``carry`` with the directions ``o`` of slots ``j0 .. j0+n`` of stack ``k``;
-        ``owned`` (a traced bool) when this device may not own them (then nothing is
-        written)."""
+        """``carry`` with the directions ``o`` of slots ``j0 ..`` of stack ``k``; ``owned``: a
+        traced bool where this device may not own them (if false nothing is written)."""
         key = self._key(k)
         held, acc = carry[key]
         return {**carry, key: (held, self.sinks[key].store(acc, k, j0, o, owned))}
 
     def finish(self, carry: dict, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
-        """Every Muon leaf's direction, in its local (this device's) layout
-        (``local_shapes``: this device's block of each leaf)."""
+        """Every Muon leaf's direction, in this device's block (``local_shapes``)."""
         out: dict[int, jax.Array] = {}
         for key, sink in self.sinks.items():
             out.update(sink.finish(carry[key][1], local_shapes))
