@@ -1,9 +1,8 @@
 """The plain ``jax.jit`` form (``mesh=``): the engine runs its own ``shard_map``.
 
-Every leaf enters in its own layout (``in_specs`` from the params' layouts: their types
-on Explicit mesh axes, ``param_specs``, or the placement seen at an eager ``init``: see
-:func:`muon_optax.plan.specs.placed_specs`), the gradients already averaged by XLA; the
-updates leave laid out like the params and the state stays split over the owner axes.
+Every leaf enters in its own layout (:func:`muon_optax.plan.specs.placed_specs`), the
+gradients already averaged by XLA; the updates leave laid out like the params and the
+state stays split over the owner axes.
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ from muon_optax.step.state import check_state, state_partition_specs, state_shap
 
 
 def wrap_in_shard_map(opts: Options):
-    """``(init, update)`` that run their own ``shard_map`` over ``opts.mesh``.
-
-    (``check_vma=False``: a block that an all-to-all hands to all of its holders is the
-    same on each, which jax's types cannot see.)
-    """
+    """``(init, update)`` that run their own ``shard_map`` over ``opts.mesh``
+    (``check_vma=False``: a block an all-to-all hands to all its holders is the same on
+    each, which jax's types cannot see)."""
     mesh, name = opts.mesh, opts.name
     axes = tuple((a, mesh.shape[a]) for a in opts.axes)
 
@@ -46,8 +43,7 @@ def wrap_in_shard_map(opts: Options):
         if not explicit:
             return x
         typed = typed_spec(x, path) or ((),) * len(x.shape)
-        if to_partition_spec(typed) != to_partition_spec(normalize_spec(spec, len(x.shape),
-                                                                        path)):
+        if to_partition_spec(typed) != to_partition_spec(normalize_spec(spec, len(x.shape), path)):
             x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
         return x
 
@@ -55,9 +51,6 @@ def wrap_in_shard_map(opts: Options):
         leaves = plan.treedef.flatten_up_to(tree)
         return plan.treedef.unflatten([moved(x, to_partition_spec(s), path) for x, s, path
                                        in zip(leaves, plan.specs, plan.paths)])
-
-    def placed_state(state, sspecs):
-        return jax.tree.map(moved, state, sspecs)
 
     def init(params):
         _outside_shard_map(name)
@@ -79,9 +72,8 @@ def wrap_in_shard_map(opts: Options):
         specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes, skip)
         # Clipping and finiteness read the whole (already averaged) gradient: computed
         # here on the global arrays, handed to every device as replicated scalars.
-        stats = GradStats(None, None)
-        if opts.max_grad_norm is not None or skip:
-            stats = global_stats(grads, opts.max_grad_norm, skip)
+        stats = (global_stats(grads, opts.max_grad_norm, skip)
+                 if opts.max_grad_norm is not None or skip else GradStats(None, None))
         # Traced hyperparameters (optax.inject_hyperparams') enter as arguments: a
         # shard_map may not close over arrays on Explicit axes.
         extras = (stats, _array_hparams(opts))
@@ -91,14 +83,14 @@ def wrap_in_shard_map(opts: Options):
         def fn(g, s, p, ex):
             return local_update(plan, _with_arrays(opts, ex[1]), g, s, p, ex[0])
 
+        g, s = placed(grads, plan), jax.tree.map(moved, state, sspecs)
         if params is None:
-            return jax.shard_map(lambda g, s, ex: fn(g, s, None, ex), mesh=mesh,
-                                 check_vma=False, in_specs=(specs, sspecs, extra_specs),
-                                 out_specs=(specs, sspecs))(
-                placed(grads, plan), placed_state(state, sspecs), extras)
+            return jax.shard_map(lambda g, s, ex: fn(g, s, None, ex), mesh=mesh, check_vma=False,
+                                 in_specs=(specs, sspecs, extra_specs),
+                                 out_specs=(specs, sspecs))(g, s, extras)
         return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs, extra_specs),
                              check_vma=False, out_specs=(specs, sspecs))(
-            placed(grads, plan), placed_state(state, sspecs), placed(params, plan), extras)
+            g, s, placed(params, plan), extras)
 
     return init, update
 

@@ -1,7 +1,6 @@
 """What the one-device and the sharded Muon phases share: each matrix's hyperparameters,
-stacks cut into chunks under a byte budget, and the per-leaf finish (the cautious
-update in the leaf's own layout).
-"""
+stacks cut into chunks under a byte budget, the kernel in a loop, and the per-leaf finish
+(the cautious update in the leaf's own layout)."""
 
 from __future__ import annotations
 
@@ -36,18 +35,15 @@ def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
             table = jnp.stack([hps[g][key] for g in groups])
             out[key] = table[jnp.asarray(pick(index))][:, None, None]
     flags = np.vectorize(lambda i: members[member_of[i]].transposed)(slots)
-    if (flags == flags.flat[0]).all():
-        out["transposed"] = bool(flags.flat[0])
-    else:
-        out["transposed"] = jnp.asarray(pick(flags))
+    out["transposed"] = (bool(flags.flat[0]) if (flags == flags.flat[0]).all()
+                         else jnp.asarray(pick(flags)))
     return out
 
 
 def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict,
                   scales: dict, p_leaves, updates: list, only=None) -> None:
-    """Steps 8-9 per Muon leaf (``only`` these, else all), in its own layout:
-    ``adaptive``'s ``<U, O>`` (summed over the leaf, ``scales``) and the cautious update,
-    into ``updates``."""
+    """Steps 8-9 per Muon leaf (``only`` these, else all), in its own layout, into
+    ``updates``: ``adaptive``'s ``<U, O>`` (the leaf's sum, ``scales``), the cautious update."""
     for m in plan.muon if only is None else only:
         hp, o = hps[m.group], directions[m.index]
         if m.index in scales:
@@ -57,15 +53,13 @@ def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict
 
 
 def chunk_bytes(plan: TreePlan) -> int:
-    """The budget of one chunk: the largest Muon matrix's float32 bytes. The step's
-    temporaries then scale with one large matrix, as optax's do, while smaller matrices
-    still go several to a batched chunk."""
+    """A chunk's budget: the largest Muon matrix's float32 bytes, so the temporaries scale
+    with one large matrix (as optax's do) while smaller ones still batch."""
     return max([1] + [4 * sp.stack.rows * sp.stack.cols for sp in plan.owner.stacks])
 
 
 def chunks(size: int, matrix_bytes: int, budget: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` ranges of a stack's ``size`` matrices, each at most ``budget``
-    bytes (at least one matrix)."""
+    """``[lo, hi)`` ranges of ``size`` matrices, each at most ``budget`` bytes (or one)."""
     per = max(1, budget // matrix_bytes)
     return [(lo, min(lo + per, size)) for lo in range(0, size, per)]
 
@@ -76,9 +70,8 @@ def chunk_runs(spans: list[tuple[int, int]], matrix_bytes: int,
     ``loop_bytes`` bytes together (each chunk alone when that is under two chunks)."""
     out: list[list[tuple[int, int]]] = []
     for lo, hi in spans:
-        size = hi - lo
-        last = out[-1] if out else None
-        if (last is not None and last[0][1] - last[0][0] == size
+        size, last = hi - lo, out[-1] if out else None
+        if (last and last[0][1] - last[0][0] == size
                 and (len(last) + 1) * size * matrix_bytes <= loop_bytes):
             last.append((lo, hi))
         else:
@@ -88,16 +81,12 @@ def chunk_runs(spans: list[tuple[int, int]], matrix_bytes: int,
 
 def kernel_in_loop(stack: Stack, g_all: jax.Array, per: int, hp_all: dict, state: Any,
                    read: Callable, write: Callable, count, scale: jax.Array | None = None):
-    """The rule's kernel on equal chunks of ``per`` of the matrices ``g_all`` (times
-    ``scale``, if not None) as one kernel in a loop (``lax.fori_loop``): chunk ``j``'s
-    matrices and hyperparameters sliced from ``g_all`` and ``hp_all`` (per matrix, or
-    scalars), its state ``read(state, first)`` and written back by
-    ``write(state, first, new, O)`` (``first``: the chunk's first matrix). Returns the
-    directions, the state and the chunks' ``<U, O>`` (None unless adaptive): the same
-    arithmetic as the kernel on each chunk alone.
-
-    The TPU compiler's time grows with the number of kernels in the program (a chunk's
-    kernel costs it about 1.4 s; BENCHMARKS.md); in a loop it compiles one."""
+    """The rule's kernel on chunks of ``per`` of the matrices ``g_all`` (times ``scale``,
+    if not None) in a ``lax.fori_loop``: a chunk's matrices and hyperparameters sliced from
+    ``g_all`` and ``hp_all``, its state ``read(state, first)`` and written back by
+    ``write(state, first, new, O)`` (``first``: its first matrix). Returns the directions,
+    the state and the ``<U, O>`` (None unless adaptive): the kernel's arithmetic on each
+    chunk alone. The TPU compiler's time grows with the kernels in a program; a loop is one."""
     leaf_scaled = stack.config.leaf_scaled
 
     def body(i, carry):
@@ -121,6 +110,5 @@ def kernel_in_loop(stack: Stack, g_all: jax.Array, per: int, hp_all: dict, state
     # in another dtype than the parameters (then a buffer of their own).
     o_all = None if g_all.dtype == stack.dtype else jnp.zeros(g_all.shape, stack.dtype)
     d0 = jnp.zeros((n, 1, 1) if leaf_scaled else (), jnp.float32)
-    g_all, o_all, state, d_all = jax.lax.fori_loop(0, n // per, body,
-                                                   (g_all, o_all, state, d0))
+    g_all, o_all, state, d_all = jax.lax.fori_loop(0, n // per, body, (g_all, o_all, state, d0))
     return (g_all if o_all is None else o_all), state, (d_all if leaf_scaled else None)

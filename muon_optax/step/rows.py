@@ -13,8 +13,7 @@ from muon_optax.params.layout import Stack
 from muon_optax.plan.plan import Channel, StackPlan
 from muon_optax.rule.platform import per_platform
 
-# A TPU array's two minor dimensions lie in tiles of 8 x 128 elements (of 16- and 32-bit
-# types); flat, an array's elements lie in runs of 1024, the tiles'.
+# A TPU holds an array's two minor dimensions in tiles of 8 x 128 (16- and 32-bit types).
 _TILE = (8, 128)
 
 
@@ -24,50 +23,33 @@ def _tiled(shape: tuple[int, ...], dtype: Any, item: int) -> bool:
 
 
 def flat(x: jax.Array, item: int = 2) -> jax.Array:
-    """``x`` as a 1-D array for a transport's buffer, read back by :func:`shaped`; its
-    trailing ``item`` dimensions make one item (a matrix, or a block of one).
-
-    On TPU, where the two minor dimensions are whole tiles, each matrix goes in its tiles'
-    order (tile by tile, each tile's rows in order): that order is how the TPU holds the
-    matrix, so both ways are a bitcast; in row-major order each is a relayout copy, which
-    the compiler builds a kernel for (a matrix's worth of data movement for every leaf,
-    both ways). Elsewhere, and for other shapes, row-major. Which order a buffer holds is
-    never seen outside it: every write and read of it goes through these two.
-    """
-    def row_major(x):
-        return x.reshape(-1)
-
+    """``x`` as a 1-D array for a transport's buffer (read back by :func:`shaped`); its
+    trailing ``item`` dimensions make one item (a matrix, or a block of one). On TPU, where
+    the two minor dimensions are whole tiles, each matrix goes tile by tile, as the TPU
+    holds it: a bitcast both ways, where row-major order is a relayout copy."""
     def tiles(x):
-        r, c = x.shape[-2:]
-        lead = x.shape[:-2]
+        (r, c), lead = x.shape[-2:], x.shape[:-2]
         y = x.reshape(lead + (r // _TILE[0], _TILE[0], c // _TILE[1], _TILE[1]))
-        k = len(lead)
-        return jnp.transpose(y, tuple(range(k)) + (k, k + 2, k + 1, k + 3)).reshape(-1)
+        return jnp.swapaxes(y, -3, -2).reshape(-1)
 
     if not _tiled(x.shape, x.dtype, item):
-        return row_major(x)
-    return per_platform("tiles", x, tpu=tiles, default=row_major)
+        return x.reshape(-1)
+    return per_platform("tiles", x, tpu=tiles, default=lambda x: x.reshape(-1))
 
 
 def shaped(x: jax.Array, shape: tuple[int, ...], item: int = 2) -> jax.Array:
-    """Inverse of :func:`flat`: ``x`` (its elements in :func:`flat`'s order, any shape of
-    that size) as an array of ``shape``, whose trailing ``item`` dimensions make one
-    item."""
+    """Inverse of :func:`flat`: ``x`` (in :func:`flat`'s order, any shape of that size) as
+    an array of ``shape``, whose trailing ``item`` dimensions make one item."""
     shape = tuple(shape)
 
-    def row_major(x):
-        return x.reshape(shape)
-
     def tiles(x):
-        r, c = shape[-2:]
-        lead = shape[:-2]
+        (r, c), lead = shape[-2:], shape[:-2]
         y = x.reshape(lead + (r // _TILE[0], c // _TILE[1], _TILE[0], _TILE[1]))
-        k = len(lead)
-        return jnp.transpose(y, tuple(range(k)) + (k, k + 2, k + 1, k + 3)).reshape(shape)
+        return jnp.swapaxes(y, -3, -2).reshape(shape)
 
     if not _tiled(shape, x.dtype, item):
-        return row_major(x)
-    return per_platform("tiles", x, tpu=tiles, default=row_major)
+        return x.reshape(shape)
+    return per_platform("tiles", x, tpu=tiles, default=lambda x: x.reshape(shape))
 
 
 def take_static(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
@@ -95,9 +77,8 @@ def member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]]
 
 def owned_parts(sp: StackPlan, members: list[jax.Array], parts: list[list[jax.Array]],
                 flatten=lambda x: x.reshape(-1)) -> None:
-    """Appends to ``parts[d]`` device ``d``'s matrices of stack ``sp``, in slot order, each
-    flattened (by ``flatten``): runs of static slices of ``members`` (one array per stack
-    member, its matrices on the leading axis), so no stacked copy and no gather."""
+    """Appends to ``parts[d]`` device ``d``'s matrices of stack ``sp`` in slot order, each
+    ``flatten``-ed: static slices of ``members`` (per member, its matrices), no gather."""
     for d, row in enumerate(sp.slots):
         for member, lo, hi in member_runs(sp.stack, row[row >= 0]):
             parts[d].append(flatten(members[member][lo:hi]))
@@ -121,13 +102,11 @@ def dynamic_slice(x: jax.Array, start: int | jax.Array, size: int, axis: int) ->
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array,
-                    axis: int) -> jax.Array:
+def dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array, axis: int) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
 
 
-def member_spans(channel: Channel, k: int, sp: StackPlan,
-                 size: int) -> list[list[tuple[int, int]]]:
+def member_spans(channel: Channel, k: int, sp: StackPlan, size: int) -> list[list[tuple[int, int]]]:
     """Where stack ``k``'s matrices lie in a device-major buffer laid out as ``channel``:
     per member, ``(device, start)`` of each of its matrices' ``size`` elements."""
     slot_of, out, first = sp.slot_of(), [], 0
@@ -148,17 +127,10 @@ def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
 
 
 def lane_of(dtype: Any, *sizes: Any) -> int:
-    """How a device-major buffer's rows go where it is cut into pieces: in units of one
-    TPU tile of ``dtype`` (8 x 128 elements of a 32-bit type, 16 x 128 of a 16-bit one),
-    each row as ``(L / unit, rows, 128)``, where every size and offset in ``sizes`` (ints
-    or arrays of them) is a whole number of tiles; else 1 (each row as it is).
-
-    Why: a TPU holds an array's two minor dimensions in tiles, so in an ``(N, L)`` piece
-    the devices' rows are interleaved in every tile, and reading one device's row is a
-    strided copy; as ``(N, L / unit, rows, 128)`` each row is a run of whole tiles, its
-    elements in order, and a matrix in it is cut out on a dimension the tiles do not
-    touch (a slice of whole tiles, wherever it starts). Elsewhere both are the same
-    bytes."""
+    """The unit a device-major buffer's rows are cut in: one TPU tile of ``dtype`` (8 x 128
+    of a 32-bit type, 16 x 128 of a 16-bit one) where every size and offset in ``sizes``
+    is whole tiles, else 1. As ``(N, L / unit, rows, 128)`` (:func:`lanes`) each row is
+    whole tiles: a matrix is cut out without the strided copy an ``(N, L)`` piece needs."""
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize not in (2, 4):
         return 1

@@ -1,19 +1,15 @@
-"""The Muon phase of a step: every stack's owned slots, on this device.
+"""The sharded Muon phase: every stack's owned slots, on this device.
 
-For each stack (in plan order) a device reads its owned matrices' gradients from the
-transports (:mod:`muon_optax.step.transport`), its momentum and NorMuon state from its flat
-state buffers, runs the rule's one kernel (:func:`muon_optax.rule.muon.muon_step`), writes
-the state back in place and hands the directions to the transports. The slots every
-device owns run as one batched program; the rest one by one under ``lax.cond``, skipped
-where a device owns fewer. On TPU, runs of equal chunks of those batched slots are one
-kernel in a loop, as on one chip (:mod:`muon_optax.step.one_device`), which a slot of
-the rest may join, masked where not owned (:func:`_runs`).
-Stacks run one after another (each reads the state the previous one wrote), so only one
-stack's temporaries are alive at a time.
+Per stack, in plan order, a device loads its matrices' gradients through the transports
+(:mod:`muon_optax.step.transport`), runs the rule's kernel on them and their state (read
+from its flat buffers and written back in place) and stores the directions. Slots every
+device owns run batched, the rest under ``lax.cond``; stacks run one after another, so
+one stack's temporaries are alive at a time.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -35,6 +31,7 @@ from muon_optax.step.matrices import (
     matrix_hparams,
 )
 from muon_optax.step.one_device import LOOP_CHUNKS
+from muon_optax.step.rows import dynamic_slice
 from muon_optax.step.state import MuonBuffers
 from muon_optax.step.transport import Transports
 
@@ -47,39 +44,27 @@ def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
             comm.pick(plan.owner.second[key].offsets[k]) + j * sp.second_size)
 
 
-def _slice(buf: jax.Array, start, size: int) -> jax.Array:
-    if isinstance(start, int):
-        return buf[start:start + size]
-    return jax.lax.dynamic_slice_in_dim(buf, start, size, axis=0)
-
-
 def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
     st = sp.stack
-    momentum = _slice(bufs.momentum, at[0], n * st.rows * st.cols)
-    second = _slice(bufs.second_moment, at[1], n * sp.second_size)
+    momentum = dynamic_slice(bufs.momentum, at[0], n * st.rows * st.cols, 0)
+    second = dynamic_slice(bufs.second_moment, at[1], n * sp.second_size, 0)
     return MuonStackState(momentum.reshape(n, st.rows, st.cols),
                           second.reshape((n,) + sp.second_shape))
 
 
 def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) -> jax.Array:
-    """Writes ``x`` into the state buffer in place, once ``ready`` is computed.
-
-    Every read of the old values (XLA may repeat one inside several fusions) feeds
-    ``ready`` or ``x``, so waiting for ``ready`` lets XLA update the buffer without
-    copying it.
-    """
+    """Writes ``x`` into ``buf`` in place once ``ready`` is computed: every read of the old
+    values (XLA may repeat one in several fusions) feeds ``ready`` or ``x``, so XLA need
+    not copy the buffer."""
     x = after(x, ready).reshape(-1).astype(buf.dtype)
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
 def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order: bool):
-    """:func:`muon_optax.rule.muon.muon_step` on one slot a device may not own (the branch of
-    a ``lax.cond``): ``<U, O>`` zeros without ``leaf_scaled``, as :func:`_skipped` gives.
-
-    The branch's new momentum is a value of its own, written after the ``cond``, so
-    nothing needs it ordered after ``U`` (``order``); on TPU ordering it cost a kernel
-    a shape (nanochat d1280x20, FSDP on v5p 8 chips: 238 -> 236 kernels, their build
-    12.0 -> 10.0 s). Elsewhere it stays, XLA:CPU's program as it was."""
+    """:func:`muon_optax.rule.muon.muon_step` on a slot a device may not own (a ``lax.cond``
+    branch), ``<U, O>`` zeros without ``leaf_scaled`` as in :func:`_skipped`. Its new
+    momentum is written after the ``cond``, so it need not be ordered after ``U``
+    (``order``): on TPU that order cost a kernel a shape; elsewhere it stays."""
     o, state, d = cfg.step(g, state, hp, count, dtype, order=order)
     return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
@@ -97,8 +82,7 @@ def _skipped(g, state: MuonStackState, dtype, leaf_scaled: bool):
 
 
 def _owned(sp: StackPlan, comm: Collectives, j):
-    """Whether this device owns slot ``j`` (a traced bool); None where every device
-    does."""
+    """Whether this device owns slot ``j`` (a traced bool); None where every device does."""
     if isinstance(j, int) and j < sp.base:
         return None
     return j < comm.pick(sp.counts)
@@ -106,9 +90,8 @@ def _owned(sp: StackPlan, comm: Collectives, j):
 
 def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hp, comm,
                 count, prev, j0: int, n: int):
-    """Slots ``j0 .. j0+n-1`` of the ``base`` ones every device owns, as one batched
-    program. The new momentum goes into its buffer as soon as ``U`` is formed, before the
-    polar iteration starts."""
+    """Slots ``j0 .. j0+n-1``, which every device owns, as one batched program; the new
+    momentum is written as soon as ``U`` is formed."""
     at = _state_at(k, sp, plan, comm, j0)
     (g, carry), state = moves.load(carry, k, j0, n, prev, scale), _read_state(bufs, at, n, sp)
     o, state, d = sp.stack.config.step(g, state, hp, count, sp.stack.dtype)
@@ -119,15 +102,11 @@ def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, 
 
 def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hps, comm,
                count, prev, run: list[tuple[int, int]]):
-    """Equal chunks ``run`` of the ``base`` slots as one kernel in a loop
-    (:func:`muon_optax.step.matrices.kernel_in_loop`), each chunk's state read and
-    written in place at its offsets; the gradients loaded and the directions stored
-    before and after the loop. The same arithmetic as :func:`_base_slots` on each chunk.
-
-    An exchange stack's chunks are loaded and stored one at a time, as without the
-    loop: on TPU the kernel that puts an exchange's matrices together grows with the
-    matrices it reads at once, and chunks of one size share one (heads_tp, d768x12 on
-    v5p:8: loads of four chunks together doubled the compile time)."""
+    """Equal chunks ``run`` as one kernel in a loop (:func:`kernel_in_loop`), each chunk's
+    state read and written in place: :func:`_base_slots`' arithmetic on each chunk. The
+    gradients are loaded before the loop and the directions stored after it; an exchange
+    stack's chunk by chunk, since on TPU the kernel that assembles an exchange's matrices
+    grows with how many it reads at once, and chunks of one size share one."""
     st, lo, per = sp.stack, run[0][0], run[0][1] - run[0][0]
     n = len(run) * per
     extra = lo + n > sp.base     # a slot some devices do not own: masked there (_runs)
@@ -167,28 +146,19 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
 
 
 def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int, int]]]:
-    """The ``base`` slots of stack ``sp`` in chunks of at most :func:`chunk_bytes`, and
-    with ``loop_bytes`` (0: off) the chunks as equal as their count allows, in runs of
-    equal ones of at most that many bytes (a run of several: one loop). Where they cannot
-    all be equal, chunks of a divisor of the slots up to half as large again as the
-    budget's, if there is one: one kernel where a smaller last chunk was another (FSDP
-    d1280x20's attention, 10 slots a chip: 5 and 5, not 4, 4 and 2; 238 -> 206 kernels,
-    the temporaries unchanged; in chunks of 2 they grew by 13 MiB).
-
-    With ``loop_bytes`` (TPU), where the last chunk is a lone matrix, the first slot
-    some devices do not own joins it in a loop of two, masked where not owned
-    (:func:`_owned`): one kernel for both, where the chunk and that slot's ``cond`` were
-    kernels of their own (nanochat d768x12's MLP on v5p 8 chips: compile 16.9 -> 13.8 s,
-    temporaries 71.1 -> 44.9 MiB). Other such slots keep their ``cond`` (measured: as
-    masked chunks of their own, v5p 64 chips compiled 30 % slower and held 66 % more;
-    in a loop of three, d1280x20 held 327 MiB, not 236)."""
+    """Stack ``sp``'s ``base`` slots in chunks of at most :func:`chunk_bytes`; with
+    ``loop_bytes`` (0: off), chunks as equal as their count allows (else of a divisor of
+    the slots up to half as large again, so that no smaller last chunk is a kernel of its
+    own), in runs of equal ones of at most ``loop_bytes``: a run of several is one loop.
+    Where the last chunk is then a lone matrix, the first slot some devices do not own
+    joins it, masked where not owned: one kernel, not two (as masked chunks, other such
+    slots compiled slower and held more)."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
     spans = chunks(sp.base, matrix_bytes, chunk_bytes(plan))
     if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
         per, cap = -(-sp.base // len(spans)), spans[0][1] - spans[0][0]
         if sp.base % per:   # 10 in chunks of 5 and 5, not 4, 4 and 2: one kernel
-            per = min([d for d in range(cap, cap + cap // 2 + 1) if sp.base % d == 0],
-                      default=per)
+            per = min([d for d in range(cap, cap + cap // 2 + 1) if sp.base % d == 0], default=per)
         spans = [(lo, min(lo + per, sp.base)) for lo in range(0, sp.base, per)]
     runs = chunk_runs(spans, matrix_bytes, loop_bytes)
     if loop_bytes and sp.num_slots > sp.base and runs and runs[-1] == [(sp.base - 1, sp.base)]:
@@ -198,29 +168,23 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
 
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale, carry,
                 bufs: MuonBuffers, hps, comm: Collectives, count, prev, loop_bytes: int):
-    """One stack's owned slots: the first ``base`` batched in chunks of at most
-    :func:`muon_optax.step.one_device.chunk_bytes` (one after another, so one chunk's temporaries
-    are alive at a time), the rest one by one, each skipped (``lax.cond``) on devices
-    that own fewer. ``loop_bytes`` (0: off): the chunks as equal as their count allows,
-    and runs of equal ones of at most that many bytes in a loop (:func:`_base_loop`),
-    which the first of the rest may join (:func:`_runs`).
-    Returns the transports' ``carry``, the state buffers, the last direction (to sequence
-    the next stack) and the slots' ``<U, O>`` (adaptive)."""
+    """One stack's owned slots: the first ``base`` in :func:`_runs`' chunks one after
+    another, the rest one by one, each skipped (``lax.cond``) on devices that own fewer.
+    Returns the ``carry``, the state buffers, the last direction (to sequence the next
+    stack) and the slots' ``<U, O>`` (adaptive)."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     runs = _runs(sp, plan, loop_bytes)
     for run in runs:
         if len(run) > 1:
             carry, bufs, prev, d = _base_loop(k, sp, plan, moves, scale, carry, bufs, hps,
                                               comm, count, prev, run)
-            duals.append(d)
-            continue
-        ((lo, hi),) = run
-        hp = matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
-        carry, bufs, prev, d = _base_slots(k, sp, plan, moves, scale, carry, bufs, hp, comm,
-                                           count, prev, lo, hi - lo)
+        else:
+            ((lo, hi),) = run
+            hp = matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
+            carry, bufs, prev, d = _base_slots(k, sp, plan, moves, scale, carry, bufs, hp,
+                                               comm, count, prev, lo, hi - lo)
         duals.append(d)
-    in_runs = max([sp.base] + [run[-1][1] for run in runs])
-    for j in range(in_runs, sp.num_slots):
+    for j in range(max([sp.base] + [run[-1][1] for run in runs]), sp.num_slots):
         owned = _owned(sp, comm, j)
         at = _state_at(k, sp, plan, comm, j)
         (g, carry), state = moves.load(carry, k, j, 1, prev, scale), _read_state(bufs, at, 1, sp)
@@ -245,8 +209,7 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
     offsets, start = {}, 0
     for k in sorted(duals):
         offsets[k], start = start, start + plan.owner.stacks[k].num_slots
-    mine = jnp.concatenate([duals[k] for k in sorted(duals)])
-    everyone = comm.gather(mine, 0)
+    everyone = comm.gather(jnp.concatenate([duals[k] for k in sorted(duals)]), 0)
     out = {}
     for k in duals:
         sp = plan.owner.stacks[k]
@@ -270,34 +233,29 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
                moves: Transports, scale, g_leaves, p_leaves, state,
                updates: list) -> tuple[MuonBuffers, ...]:
     """Muon leaves, their gradients read through ``moves`` (times ``scale``, the clip
-    factor, if not None): fills ``updates``; returns the new state buffers. The
-    collectives of a channel carry every stack's matrices at once.
-
-    On TPU runs of equal chunks are loops (:func:`_base_loop`): the compiler's time grows
-    with the kernels in the program, as on one chip. Elsewhere one kernel a chunk."""
+    factor, if not None): fills ``updates``; returns the new state buffers. On TPU runs
+    of equal chunks are loops (:func:`_base_loop`), as on one chip; elsewhere one kernel
+    a chunk."""
     def form(loop_bytes: int):
-        def run():
-            bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
-            prev, duals, carry, out = None, {}, moves.empty(), list(updates)
-            for k, sp in enumerate(plan.owner.stacks):
-                key = sp.state_key
-                carry, bufs[key], prev, d = _stack_step(k, sp, plan, moves, scale, carry,
-                                                        bufs[key], hps, comm, count, prev,
-                                                        loop_bytes)
-                if d is not None:
-                    duals[k] = d
-            local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
-            directions = moves.finish(carry, local_shapes)
-            scales = _leaf_duals(plan, comm, duals)
-            finish_leaves(plan, configs, hps, directions, scales, p_leaves, out)
-            return tuple(bufs.values()), [out[m.index] for m in plan.muon]
-        return run
+        bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
+        prev, duals, carry, out = None, {}, moves.empty(), list(updates)
+        for k, sp in enumerate(plan.owner.stacks):
+            carry, bufs[sp.state_key], prev, d = _stack_step(
+                k, sp, plan, moves, scale, carry, bufs[sp.state_key], hps, comm, count, prev,
+                loop_bytes)
+            if d is not None:
+                duals[k] = d
+        local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
+        finish_leaves(plan, configs, hps, moves.finish(carry, local_shapes),
+                      _leaf_duals(plan, comm, duals), p_leaves, out)
+        return tuple(bufs.values()), [out[m.index] for m in plan.muon]
 
     loop_bytes = LOOP_CHUNKS * chunk_bytes(plan)
     if all(_runs(sp, plan, loop_bytes) == _runs(sp, plan, 0) for sp in plan.owner.stacks):
-        bufs, muon_updates = form(0)()   # no loop to make: one program everywhere
+        bufs, muon_updates = form(0)   # no loop to make: one program everywhere
     else:
-        bufs, muon_updates = per_platform("loop", tpu=form(loop_bytes), default=form(0))
+        bufs, muon_updates = per_platform("loop", tpu=partial(form, loop_bytes),
+                                          default=partial(form, 0))
     for m, u in zip(plan.muon, muon_updates):
         updates[m.index] = u
     return bufs

@@ -1,9 +1,5 @@
-"""The optimizer's state: its structure, its shapes on one device or globally, its
-``PartitionSpec``s, and the check that a state fits the params it is given.
-
-Every other place that needs the state's shapes (init, the checks, ``state_specs``,
-``estimate``, the portable state) takes them from :func:`state_shapes`.
-"""
+"""The optimizer's state: its structure, its shapes (:func:`state_shapes`, the one
+source), its ``PartitionSpec``s, and the check that a state fits the params it is given."""
 
 from __future__ import annotations
 
@@ -21,14 +17,11 @@ from muon_optax.plan.state_layout import StateLayout, layout_error, layout_of
 
 
 class MuonBuffers(NamedTuple):
-    """The Muon state of the stacks of one state key, as 1-D ``(N * L,)`` arrays split
-    over the owner axes: elements ``d L .. (d + 1) L - 1`` are device ``d``'s share, the
-    momenta (resp. NorMuon second moments) of the matrices it owns, back to back, stack
-    by stack. On one device, one stack's: its matrices' momenta in stack order.
-
-    One dimension, not ``(N, L)``: a device's ``(1, L)`` share is tiled on a TPU, and
-    writing a ``(K, R, C)`` stack into it is a relayout that took the TPU compiler 5 s
-    per stack of sixteen 256 x 1024 matrices (0.4 s into a 1-D buffer)."""
+    """The Muon state of one state key's stacks: 1-D ``(N * L,)`` arrays split over the
+    owner axes, elements ``d L .. (d + 1) L - 1`` device ``d``'s share (the momenta, resp.
+    NorMuon second moments, of its matrices, stack by stack). On one device, one stack's
+    (:func:`buffer_shapes`). One dimension, not ``(N, L)``: a TPU tiles a ``(1, L)``
+    share, and writing a stack into it is a relayout slow to compile."""
 
     momentum: jax.Array
     second_moment: jax.Array
@@ -37,16 +30,14 @@ class MuonBuffers(NamedTuple):
 class MuonAdamWState(NamedTuple):
     """State of :func:`muon_optax.muon_adamw`.
 
-    ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon
-    leaves; a large AdamW parameter's moments may be split over the owner axes (padded).
-    ``muon`` holds the Muon state, one :class:`MuonBuffers` per parameter (and momentum)
-    dtype, or on one device per stack.
-    :func:`muon_optax.export_state` gives the same state per parameter.
-    ``skipped`` counts the steps skipped for a non-finite gradient (int32; None unless
-    the optimizer was built with ``skip_nonfinite=True``); ``count`` does not count them.
-    ``layout``: the layout the state was made for (a :class:`StateLayout`, a node without
-    leaves, so part of the state's structure): ``update`` refuses a state made for
-    another one (:mod:`muon_optax.plan.state_layout`).
+    ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon leaves;
+    a large AdamW parameter's moments may be split over the owner axes (padded). ``muon``:
+    one :class:`MuonBuffers` per parameter (and momentum) dtype, or on one device per
+    stack (:func:`muon_optax.export_state` gives it per parameter). ``skipped`` counts the
+    steps skipped for a non-finite gradient (int32; None unless built with
+    ``skip_nonfinite=True``); ``count`` does not count them. ``layout``: the
+    :class:`StateLayout` the state was made for (a node without leaves, so part of the
+    structure): ``update`` refuses a state made for another.
     """
 
     count: jax.Array                       # int32 steps taken
@@ -57,16 +48,9 @@ class MuonAdamWState(NamedTuple):
     layout: StateLayout | None = None
 
 
-def _adamw_local_shape(a, n: int) -> tuple[int, ...]:
-    if a.axis is None:
-        return a.padded
-    return a.padded[:a.axis] + (a.padded[a.axis] // n,) + a.padded[a.axis + 1:]
-
-
 def check_state(plan: TreePlan, state: Any, want: Any, name: str,
                  dtypes: Sequence[Any] = ()) -> None:
-    """A state made for these params (``dtypes``: theirs) and this layout, or a clear
-    error."""
+    """A state made for these params (``dtypes``: theirs) and layout, or a clear error."""
     got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
     needed = want.layout if isinstance(want, MuonAdamWState) else None
     other_layout = isinstance(state, MuonAdamWState) and state.layout != needed
@@ -99,16 +83,13 @@ def check_state(plan: TreePlan, state: Any, want: Any, name: str,
 def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: bool,
                  skipped: bool = False) -> Any:
     """The state as shape structs: one device's (``per_device``) or the global arrays.
-
-    ``shapes`` are the leaves' shapes as the caller sees them (a device's blocks, or the
-    global shapes); ``skipped``: the state counts skipped steps. The one truth for init,
-    the checks and the specs.
-    """
-    n = plan.num_devices
+    ``shapes``: the leaves' shapes as the caller sees them (a device's blocks, or global);
+    ``skipped``: the state counts skipped steps."""
     mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
     for a in plan.adamw:
-        shape = shapes[a.index] if a.local else (
-            _adamw_local_shape(a, n) if per_device else a.padded)
+        shape = shapes[a.index] if a.local else a.padded
+        if not a.local and per_device and a.axis is not None:
+            shape = shape[:a.axis] + (shape[a.axis] // plan.num_devices,) + shape[a.axis + 1:]
         mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
         nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
     muon = tuple(MuonBuffers(*(jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(
@@ -119,20 +100,15 @@ def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: 
 
 
 def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
-    """The shapes of one state key's momentum and second-moment buffers.
-
-    One device (``plan.per_stack_state``): the stack's own layout, ``(K, R, C)`` and
-    ``(K, *second_shape)``, so that the kernel reads and writes its chunks without a
-    relayout. Owners: one dimension, a device's share a 1-D run of its matrices (see
-    :class:`MuonBuffers`).
-    """
+    """One state key's momentum and second-moment buffer shapes: on one device
+    (``plan.per_stack_state``) the stack's own, ``(K, R, C)`` and ``(K, *second_shape)``,
+    so the kernel reads and writes chunks without a relayout; else 1-D (:class:`MuonBuffers`)."""
     if plan.per_stack_state:
         (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
         st = sp.stack
         return (st.size, st.rows, st.cols), (st.size,) + sp.second_shape
     rows = 1 if per_device else plan.num_devices
-    return ((rows * plan.owner.momentum[key].length,),
-            (rows * plan.owner.second[key].length,))
+    return (rows * plan.owner.momentum[key].length,), (rows * plan.owner.second[key].length,)
 
 
 def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],
