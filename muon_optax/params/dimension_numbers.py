@@ -23,12 +23,10 @@ class MuonDimensionNumbers(NamedTuple):
       reduction_axis: the input axis (or axes) of ``x @ W``: the matrix's columns.
       output_axis: the output axis (or axes): the matrix's rows. Other axes are batch
         axes (layers, experts): each index is a matrix of its own.
-      reduction_blocks: blocks along the input side (e.g. ``heads`` for an attention
-        output projection ``(heads * head_dim, d)``: each head's rows of the kernel one
-        matrix).
+      reduction_blocks: blocks along the input side (``heads`` for an attention output
+        projection ``(heads * head_dim, d)``: one matrix per head).
       output_blocks: blocks along the output side (``heads`` for per-head ``c_q``,
-        ``heads // group`` for Group Muon, ``3`` for a fused QKV, ``2`` for a fused
-        gate/up).
+        ``heads // group`` for Group Muon, ``3`` for a fused QKV, ``2`` for gate/up).
 
     ``optax.contrib.MuonDimensionNumbers`` is accepted wherever this is, as one block.
     """

@@ -80,7 +80,6 @@ def label_by_path(
             compiled.append((re.compile(pattern), group))
         except re.error as e:
             raise ValueError(f"label_by_path: bad regex {pattern!r}: {e}.") from e
-
     return PathLabels(tuple(compiled), matrix, other)
 
 
@@ -94,8 +93,7 @@ class PathLabels:
         return self._decide(params, 0)
 
     def reasons(self, params: Any) -> Any:
-        """The params' tree with, at every leaf, why it got its label (for
-        :func:`muon_optax.describe`)."""
+        """Why each leaf got its label, in the params' tree (for :func:`muon_optax.describe`)."""
         return self._decide(params, 1)
 
     def _decide(self, params: Any, part: int) -> Any:
@@ -153,13 +151,8 @@ def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],
         if label not in groups:
             raise ValueError(
                 f"parameter {path!r} has label {label!r}, which names no group; groups are "
-                f"{', '.join(map(repr, groups))}. Add a group of that name or change the "
-                "label.")
+                f"{', '.join(map(repr, groups))}. Add a group of that name or change the label.")
     return list(flat)
-
-
-# Flax's attention projections (besides ``out``), ``LinearGeneral`` kernels.
-_PROJECTIONS = ("query", "key", "value")
 
 
 def attention_dimension_numbers(paths: Sequence[str],
@@ -181,7 +174,7 @@ def attention_dimension_numbers(paths: Sequence[str],
                 or shapes[out][-3:-1] != q_shape[-2:]:
             continue
         found[out] = MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
-        for name in _PROJECTIONS:
+        for name in ("query", "key", "value"):
             j = index.get(prefix + name + "/kernel")
             if j is not None and len(shapes[j]) == len(q_shape) \
                     and shapes[j][-2:] == q_shape[-2:]:

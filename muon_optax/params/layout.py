@@ -225,12 +225,11 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
     red_v = tuple(at[a][-1] for a in red if a not in whole_r)
     out_v = tuple(at[a][-1] for a in out if a not in whole_o)
     size = lambda axes: math.prod(vshape[a] for a in axes)  # noqa: E731
-    return MatrixLeaf(index=index, path=path, shape=tuple(vshape),
-                      dtype=jnp.dtype(leaf.dtype), group=group, batch_axes=batch_axes,
-                      out_axes=out_v, in_axes=red_v, batch=size(batch_axes),
-                      rows=size(out_v), cols=size(red_v), leaf_shape=shape,
-                      splits=tuple((a, shape[a] // split[a]) for a in sorted(split)),
-                      blocks=(int(out_blocks), int(red_blocks)))
+    return MatrixLeaf(index=index, path=path, shape=tuple(vshape), dtype=jnp.dtype(leaf.dtype),
+                      group=group, batch_axes=batch_axes, out_axes=out_v, in_axes=red_v,
+                      batch=size(batch_axes), rows=size(out_v), cols=size(red_v),
+                      leaf_shape=shape, blocks=(int(out_blocks), int(red_blocks)),
+                      splits=tuple((a, shape[a] // split[a]) for a in sorted(split)))
 
 
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:

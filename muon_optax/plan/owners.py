@@ -1,5 +1,4 @@
-"""Balanced owners: which device runs each Muon matrix's polar iteration and holds its
-state."""
+"""Balanced owners: which device runs each Muon matrix's polar iteration and holds its state."""
 
 from __future__ import annotations
 
@@ -9,10 +8,9 @@ import numpy as np
 
 
 def lower_bound(costs: np.ndarray, n: int) -> float:
-    """A lower bound on the busiest device's load: the mean, the largest unit, and for
-    every ``k`` ``k + 1`` times the ``(k n + 1)``-th largest (some device gets ``k + 1`` of
-    the ``k n + 1`` largest). The last matters where units are few and uneven: 24 big
-    matrices on 16 devices put two on some device, which the mean does not see."""
+    """A lower bound on the busiest device's load: the mean, the largest unit, and for every
+    ``k``, ``k + 1`` times the ``(k n + 1)``-th largest (some device gets ``k + 1`` of those:
+    24 big matrices on 16 devices put two on one, which the mean does not see)."""
     p = np.sort(np.asarray(costs, float))[::-1]
     bound = max(p.sum() / n, p[0] if len(p) else 0.0, 1e-30)
     for k in range(1, (len(p) - 1) // n + 1):
@@ -67,13 +65,8 @@ def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: i
 
 def slots_from_owners(owners: np.ndarray, num_devices: int) -> np.ndarray:
     """``(N, S)`` table of each device's owned matrices in stack order, ``-1`` padded."""
-    return slot_table([np.flatnonzero(owners == d) for d in range(num_devices)])
-
-
-def slot_table(per_device: Sequence[Sequence[int]]) -> np.ndarray:
-    """Rows of stack indices, one per device, ``-1`` padded to the longest."""
-    width = max((len(p) for p in per_device), default=0)
-    slots = np.full((len(per_device), width), -1, np.int64)
+    per_device = [np.flatnonzero(owners == d) for d in range(num_devices)]
+    slots = np.full((num_devices, max(map(len, per_device), default=0)), -1, np.int64)
     for d, p in enumerate(per_device):
         slots[d, :len(p)] = p
     return slots

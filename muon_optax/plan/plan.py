@@ -1,9 +1,8 @@
 """Who owns which Muon matrix, and where its pieces live on every device.
 
-Every Muon matrix gets one *owner* among the ``N`` devices of the owner axes: the device
-that holds its momentum and NorMuon state and runs its polar iteration. Owners are chosen
-across all stacks by cost (:func:`assign_owners`), so each device does and holds about
-``1/N`` of the total. Every device runs the same program, so uneven ownership lives in
+Each Muon matrix has one *owner* among the ``N`` devices of the owner axes, which holds its
+state and runs its polar iteration; owners are balanced across all stacks by cost
+(:func:`assign_owners`). Every device runs the same program, so uneven ownership lives in
 data: each device's share of a flat buffer lists its matrices stack by stack (a
 *channel*), at offsets read from static tables indexed by the device.
 """
@@ -207,13 +206,12 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
                   for st, kind, r, own in zip(stacks, transports, routes, per_stack))
     matrix_size = lambda sp: sp.stack.rows * sp.stack.cols  # noqa: E731
     state_key = lambda sp: sp.state_key  # noqa: E731
-    return OwnerPlan(
-        num_devices, plans,
-        gather=_channels(plans, _dtype_if(GATHER), matrix_size),
-        exchange=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.piece),
-        back=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.block_size),
-        momentum=_channels(plans, state_key, matrix_size),
-        second=_channels(plans, state_key, lambda sp: sp.second_size))
+    return OwnerPlan(num_devices, plans,
+                     gather=_channels(plans, _dtype_if(GATHER), matrix_size),
+                     exchange=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.piece),
+                     back=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.block_size),
+                     momentum=_channels(plans, state_key, matrix_size),
+                     second=_channels(plans, state_key, lambda sp: sp.second_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +282,7 @@ def check_real_float(dtype: Any, path: str, where: str) -> None:
 
 def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                    dimension_numbers: Any, axes: Sequence[tuple[str, int]],
-                   specs: Sequence[Spec] | None, threshold: int,
-                   where: str = "muon_adamw") -> TreePlan:
+                   specs: Sequence[Spec] | None, threshold: int, where: str) -> TreePlan:
     """Everything static about ``params`` for ``axes`` (owner axes with their sizes);
     ``specs``: each leaf's layout over the mesh (``None``: all whole, as in ``shard_map``)."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -318,11 +315,9 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
     holders = [None if kind != LOCAL else np.concatenate(
         [local_holders(m, m.view_spec(specs[m.index], dict(axes)), axes) for m in st.members])
         for st, kind in zip(stacks, transports)]
-    owner = make_owner_plan(stacks, transports,
-                            [[kinds[m.index][1] for m in st.members] for st in stacks],
-                            holders, n)
+    routes = [[kinds[m.index][1] for m in st.members] for st in stacks]
     return TreePlan(treedef, paths, tuple(specs), tuple(axes), tuple(adamw_leaves),
-                    tuple(matrices), owner)
+                    tuple(matrices), make_owner_plan(stacks, transports, routes, holders, n))
 
 
 def _muon_transport(leaf: MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]],

@@ -1,14 +1,10 @@
-"""A Muon leaf's *transport*, from how it is laid out over the owner axes:
+"""A Muon leaf's *transport*, from its layout over the owner axes (how each moves:
+``step/transport.py``):
 
-- ``"gather"``: whole on every device (replicated params, ZeRO-2); the owner takes its
-  matrices from a reduce-scatter, the directions go back by an all-gather.
-- ``"exchange"``: its matrix axes are split (FSDP, tensor parallel, both); every holder
-  sends the owner an equal piece in an all-to-all, and gets its block of the direction
-  back in another.
-- ``"local"``: its batch (layer) axes are split over all owner axes; each device owns the
-  matrices it holds, and nothing moves.
-
-The collectives themselves: ``step/transport.py``.
+- ``"gather"``: whole on every device (replicated params, ZeRO-2);
+- ``"exchange"``: its matrix axes split (FSDP, tensor parallel, both): every holder sends
+  the owner an equal piece;
+- ``"local"``: its batch (layer) axes split over all owner axes: nothing moves.
 """
 
 from __future__ import annotations

@@ -109,10 +109,8 @@ def placement_spec(x: Any, path: str) -> Spec | None:
     ``NamedSharding``; an array on one device or in host memory is whole (replicated).
     None for a traced leaf on Auto axes (or a shape struct without a sharding)."""
     typed = typed_spec(x, path)
-    if typed is not None:
+    if typed is not None or isinstance(x, jax.core.Tracer):
         return typed
-    if isinstance(x, jax.core.Tracer):
-        return None
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
         return normalize_spec(sharding.spec, len(x.shape), path)

@@ -1,10 +1,7 @@
-"""The layout a state was made for, kept in the static part of the state's structure.
-
-The same params laid out another way (another split, another device count) may give Muon
-buffers of the same shapes whose rows belong to other matrices, with no shape error. So
-every state carries a :class:`StateLayout` in its treedef (free at run time: ``jax.jit``
-compares treedefs when it traces), and ``update`` refuses a state made for another layout.
-"""
+"""The layout a state was made for, kept in its treedef (free at run time: ``jax.jit``
+compares treedefs when it traces). Params laid out another way (another split or device
+count) may give Muon buffers of the same shapes whose rows belong to other matrices, with
+no shape error: ``update`` refuses a state made for another layout."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ def layout_of(plan: Any) -> StateLayout:
     parts: list[Any] = [owner.num_devices]
     for kind in (owner.momentum, owner.second):
         for key, ch in kind.items():
-            parts.append((tuple(str(k) for k in key), ch.length, ch.sizes,
-                          ch.offsets.tolist()))
+            parts.append((tuple(str(k) for k in key), ch.length, ch.sizes, ch.offsets.tolist()))
             for k in ch.stacks:
                 sp, st = owner.stacks[k], owner.stacks[k].stack
                 parts.append((k, st.rows, st.cols, sp.second_shape, sp.slots.tolist(),

@@ -28,8 +28,7 @@ def warn_if_split(leaves: list[Any], paths: list[str], name: str) -> None:
         if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or sharding is None:
             continue
         if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
-            mesh = getattr(sharding, "mesh", None)
-            axes = tuple(getattr(mesh, "axis_names", ())) or ("data",)
+            axes = tuple(getattr(getattr(sharding, "mesh", None), "axis_names", ())) or ("data",)
             axis = axes[0] if len(axes) == 1 else axes
             warn(f"{name}: parameter {path!r} is split over {len(sharding.device_set)} "
                  f"devices ({sharding}), but this transformation was built without mesh=, "
