@@ -1,14 +1,11 @@
 """Which axes of a parameter are Muon's matrix sides, and into how many blocks each is cut.
 
 :class:`MuonDimensionNumbers` is ``optax.contrib.MuonDimensionNumbers`` plus two block
-counts, for per-head Muon, Group Muon, split fused weights (QKV, gate/up) and per-head
-input blocks of an output projection: each matrix is cut into ``output_blocks`` equal
-runs of rows and ``reduction_blocks`` of columns, and every block is one Muon matrix
-(its own equilibration, polar factor, aspect-ratio factor and NorMuon statistics).
-Experts ``(E, in, out)`` need no blocks: ``E`` is a batch axis.
-
-A side of several axes (``(heads, head_dim)``) is flattened in the order the axes are
-given, and blocks are contiguous runs of it, so ``output_blocks=heads`` cuts at heads.
+counts (per-head Muon, Group Muon, fused QKV or gate/up): each matrix is cut into
+``output_blocks`` equal runs of rows and ``reduction_blocks`` of columns, and every block
+is one Muon matrix. A side of several axes (``(heads, head_dim)``) is flattened in the
+order given, so ``output_blocks=heads`` cuts at heads. Experts ``(E, in, out)`` need no
+blocks: ``E`` is a batch axis.
 """
 
 from __future__ import annotations
@@ -26,12 +23,10 @@ class MuonDimensionNumbers(NamedTuple):
       reduction_axis: the input axis (or axes) of ``x @ W``: the matrix's columns.
       output_axis: the output axis (or axes): the matrix's rows. Other axes are batch
         axes (layers, experts): each index is a matrix of its own.
-      reduction_blocks: blocks along the input side (e.g. ``heads`` for an attention
-        output projection ``(heads * head_dim, d)``: each head's rows of the kernel one
-        matrix).
+      reduction_blocks: blocks along the input side (``heads`` for an attention output
+        projection ``(heads * head_dim, d)``: one matrix per head).
       output_blocks: blocks along the output side (``heads`` for per-head ``c_q``,
-        ``heads // group`` for Group Muon, ``3`` for a fused QKV, ``2`` for a fused
-        gate/up).
+        ``heads // group`` for Group Muon, ``3`` for a fused QKV, ``2`` for gate/up).
 
     ``optax.contrib.MuonDimensionNumbers`` is accepted wherever this is, as one block.
     """
@@ -53,9 +48,8 @@ def block_counts(dims: Any) -> tuple[int, int]:
 
 
 def check_unused(dims: Any, path: str, group: str) -> None:
-    """Dimension numbers given for a leaf of AdamW group ``group`` are not used, but if
-    they are wrong in themselves (whatever the leaf) the caller meant something else:
-    raises naming the path."""
+    """Raises naming the path if dimension numbers given for a leaf of AdamW group ``group``
+    (unused) are wrong in themselves: the caller meant something else."""
     if dims is None:
         return
     where = (f"parameter {path!r} is in AdamW group {group!r}, which does not use its "

@@ -1,10 +1,6 @@
-"""Which parameter goes to which group: labels from rules on the parameter path.
-
-A label tree has the params' structure with a group name at every leaf, as in
-``optax.partition``. Flax users rarely want to write one by hand, so
-:func:`label_by_path` builds it from regular expressions on the ``/``-joined path
-(``"blocks/0/attn/c_q/kernel"``), then by the leaf's name, then by its rank.
-"""
+"""Which parameter goes to which group. A label tree has the params' structure with a group
+name at every leaf (as in ``optax.partition``); :func:`label_by_path` builds one from
+regular expressions on the ``/``-joined path, then the leaf's name, then its rank."""
 
 from __future__ import annotations
 
@@ -19,11 +15,8 @@ from muon_optax.params.variables import unbox, unboxed_structure
 
 
 def path_str(path: Sequence[Any]) -> str:
-    """``/``-joined readable form of a pytree key path: ``blocks/0/attn/kernel``.
-
-    A trailing ``.value`` (an ``nnx.Variable``'s box, absent from the pure form) is
-    dropped, so ``init`` and ``update`` see the same path for the same parameter.
-    """
+    """``/``-joined readable form of a pytree key path: ``blocks/0/attn/kernel``. An
+    ``nnx.Variable``'s trailing ``.value`` is dropped: ``init`` and ``update`` see one path."""
     path = list(path)
     if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
         path = path[:-1]
@@ -31,19 +24,14 @@ def path_str(path: Sequence[Any]) -> str:
                              k)) for k in path)
 
 
-# Leaf names that are never matrices, whatever their rank: biases, (norm) scales and
-# embedding tables in Flax's naming (Linen and NNX ``Dense``/``LayerNorm``/``Embed``). A
-# scanned layer stack makes every bias and scale ``(L, d)``, a ``DenseGeneral`` bias is
-# ``(..., heads, d)``: rank alone would send them to Muon.
+# Flax's names of leaves that are never matrices, whatever their rank: a scanned layer
+# stack makes every bias and norm scale ``(L, d)``, which rank alone would send to Muon.
 OTHER_NAMES = re.compile(r"(^|_)(bias|scale|embedding|embeddings|embed)$", re.IGNORECASE)
 
-# Path components (module or leaf names) of the embeddings and output heads, which
-# nanochat gives to AdamW: ``embed``, ``wte``, ``wpe``, ``tok_embeddings``,
-# ``value_embeds``, ``lm_head``, ``head``, ``cls_head``, ``unembed``, ... An ``lm_head``
-# ``nnx.Linear`` has a 2-D ``kernel`` that rank alone would send to Muon.
+# Path components of the embeddings and output heads, which nanochat gives to AdamW
+# (``wte``, ``value_embeds``, ``lm_head``, ...): an ``lm_head``'s 2-D kernel is no matrix.
 OTHER_MODULES = re.compile(r"(^|_)(embeds?|embeddings?|unembed|unembedding|wte|wpe|head)$",
                            re.IGNORECASE)
-
 
 # Path components of embedding tables (whose first axis is the vocabulary).
 EMBEDDINGS = re.compile(r"(^|_)(embeds?|embeddings?|emb|wte)$", re.IGNORECASE)
@@ -69,13 +57,12 @@ def label_by_path(
       matrix: group of an unmatched leaf with two or more axes (a ``kernel``, a
         ``weight``), unless its name says otherwise (below).
       other: group of every other unmatched leaf: scalars and vectors; whatever its rank,
-        a leaf named ``bias``, ``scale``, ``embedding``, ``embed`` (or ending in
-        ``_bias``, ...: a scanned ``(L, d)`` bias or norm scale, an ``nnx.Embed``
-        table); every leaf under a path component named ``embed(s)``,
-        ``embedding(s)``, ``unembed(ding)``, ``wte``, ``wpe`` or ``head``, alone or after
-        ``_`` (``lm_head/kernel``); and an output head no name gives away (the JAX AI
-        stack's ``output_layer/kernel``): the only 2-D leaf of the shape of an embedding
-        table, a 2-D leaf with more rows than columns under ``embed``, ``emb``, ``wte``,...
+        a leaf named ``bias``, ``scale``, ``embedding``, ``embed`` (or ending in ``_bias``,
+        ...), or under a path component named ``embed(s)``, ``embedding(s)``,
+        ``unembed(ding)``, ``wte``, ``wpe`` or ``head``, alone or after ``_``
+        (``lm_head/kernel``); and an output head no name gives away: the only 2-D leaf
+        of the shape of an embedding table (a 2-D leaf under ``embed``, ``emb``, ``wte``,
+        ... with more rows than columns).
 
     Example, nanochat's split for a Flax GPT::
 
@@ -93,7 +80,6 @@ def label_by_path(
             compiled.append((re.compile(pattern), group))
         except re.error as e:
             raise ValueError(f"label_by_path: bad regex {pattern!r}: {e}.") from e
-
     return PathLabels(tuple(compiled), matrix, other)
 
 
@@ -107,17 +93,15 @@ class PathLabels:
         return self._decide(params, 0)
 
     def reasons(self, params: Any) -> Any:
-        """The params' tree with, at every leaf, why it got its label (for
-        :func:`muon_optax.describe`)."""
+        """Why each leaf got its label, in the params' tree (for :func:`muon_optax.describe`)."""
         return self._decide(params, 1)
 
     def _decide(self, params: Any, part: int) -> Any:
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         names = [path_str(p) for p, _ in flat]
         head = _vocabulary_head(names, [x for _, x in flat])
-        return treedef.unflatten([self._one(name, leaf, head if head and head[0] == i
-                                            else None)[part]
-                                  for i, (name, (_, leaf)) in enumerate(zip(names, flat))])
+        return treedef.unflatten([self._one(name, x, head if head and head[0] == i else None)[part]
+                                  for i, (name, (_, x)) in enumerate(zip(names, flat))])
 
     def _one(self, name: str, leaf: Any, head: tuple | None) -> tuple[str, str]:
         for pattern, group in self.rules:
@@ -136,11 +120,9 @@ class PathLabels:
 
 
 def _vocabulary_head(names: Sequence[str], leaves: Sequence[Any]) -> tuple | None:
-    """``(index, vocab, embedding path)`` of an output head that no name gives away (the
-    JAX AI stack's ``output_layer/kernel``): the one 2-D leaf, not named as an embedding,
-    with a side equal to the vocabulary size (first axis) of a 2-D embedding table whose
-    vocabulary is larger than its features. None where no such leaf is alone: an MLP as
-    wide as the vocabulary in every layer leaves the head to the rules."""
+    """``(index, vocab, embedding path)`` of an output head no name gives away (the JAX AI
+    stack's ``output_layer/kernel``): the only 2-D leaf not so named of an embedding
+    table's shape. None if not alone (an MLP as wide as the vocabulary)."""
     tables = [(name, tuple(x.shape)) for name, x in zip(names, leaves)
               if getattr(x, "ndim", 0) == 2 and x.shape[0] > x.shape[1] and
               any(EMBEDDINGS.search(part) for part in name.split("/"))]
@@ -169,28 +151,17 @@ def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],
         if label not in groups:
             raise ValueError(
                 f"parameter {path!r} has label {label!r}, which names no group; groups are "
-                f"{', '.join(map(repr, groups))}. Add a group of that name or change the "
-                "label.")
+                f"{', '.join(map(repr, groups))}. Add a group of that name or change the label.")
     return list(flat)
-
-
-# Flax's attention (``nnx.MultiHeadAttention``, Linen's ``MultiHeadDotProductAttention``)
-# names its projections ``query``, ``key``, ``value`` and ``out``: ``LinearGeneral``
-# kernels ``(in, heads, head_dim)`` and ``(heads, head_dim, out)``.
-_PROJECTIONS = ("query", "key", "value")
 
 
 def attention_dimension_numbers(paths: Sequence[str],
                                 shapes: Sequence[tuple[int, ...]]) -> dict[int, Any]:
-    """Leaf index -> ``MuonDimensionNumbers`` for Flax attention kernels.
-
-    Each head-split projection is one matrix, as nanochat's ``c_q``/``c_proj``: a
-    ``(..., in, heads, head_dim)`` kernel maps ``in -> heads * head_dim`` and
-    ``(..., heads, head_dim, out)`` maps ``heads * head_dim -> out``; leading axes (a
-    scanned layer stack) stay batch axes. Recognized only where a module holds a
-    ``query`` and an ``out`` kernel whose head axes agree, so a 3-D kernel elsewhere (a
-    scanned ``nnx.Linear``'s ``(L, in, out)``) keeps the default.
-    """
+    """Leaf index -> ``MuonDimensionNumbers`` for Flax attention kernels: each is one matrix,
+    as nanochat's ``c_q``/``c_proj`` (``(..., in, heads, head_dim)`` and ``(..., heads,
+    head_dim, out)``; leading axes stay batch axes). Only where a module holds a ``query``
+    and an ``out`` kernel whose head axes agree, so that a scanned ``nnx.Linear``'s
+    ``(L, in, out)`` keeps the default."""
     index = {path: i for i, path in enumerate(paths)}
     found: dict[int, Any] = {}
     for path, i in index.items():
@@ -203,7 +174,7 @@ def attention_dimension_numbers(paths: Sequence[str],
                 or shapes[out][-3:-1] != q_shape[-2:]:
             continue
         found[out] = MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
-        for name in _PROJECTIONS:
+        for name in ("query", "key", "value"):
             j = index.get(prefix + name + "/kernel")
             if j is not None and len(shapes[j]) == len(q_shape) \
                     and shapes[j][-2:] == q_shape[-2:]:

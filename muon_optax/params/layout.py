@@ -1,26 +1,19 @@
-"""How Muon sees a parameter: matrices, their orientation, and the stacks they join.
-Static: computed from shapes, dtypes and labels at trace time.
+"""How Muon sees a parameter: matrices, their orientation, and the stacks they join
+(static: from shapes, dtypes and labels).
 
-Orientation. The rule's matrix has ``R`` rows = output features and ``C`` columns =
-input features (PyTorch's ``(out, in)``). ``MuonDimensionNumbers`` map a leaf of any
-rank to a batch of them; default: the last two axes are ``(in, out)`` (Flax ``Dense``),
-leading axes (a scanned layer stack) are batch axes.
+The rule's matrix has ``R`` rows = output features and ``C`` columns = input features
+(PyTorch's ``(out, in)``). ``MuonDimensionNumbers`` map a leaf of any rank to a batch of
+them; by default the last two axes are ``(in, out)`` (Flax ``Dense``) and leading axes
+(a scanned layer stack) are batch axes. A block split reshapes the cut axis ``n`` into
+``(blocks, n / blocks)``, the first a batch axis: a :class:`MatrixLeaf` is this *block
+view*, and everything after it sees only blocks.
 
-Blocks. A block split is a reshape of the leaf: the cut axis ``n`` becomes ``(blocks,
-n / blocks)``, the first a batch axis. A :class:`MatrixLeaf` describes this *block
-view*; everything after it (stacks, owners, transports, state) sees only blocks.
-
-Stacks. A matrix is stored in its leaf's axis order, so a Flax ``(in, out)`` kernel is
-stored as the transpose ``(C, R)`` (``transposed``) and the stored view is a reshape,
-never a copy. The polar iteration commutes with transposition and takes its Gram
-matrix on the short side either way; the steps that do not (row equilibration,
-NorMuon's axis, the aspect-ratio factor) read a per-matrix flag. Matrices of the same
-stored shape, dtype and static options form one stack ``(K, R, C)``, one batched
-program across groups and orientations.
-
-(Stored wide instead, an MLP's ``c_fc`` and ``c_proj`` would share one stack, but
-``c_proj`` would be transposed in and out every step: on a TPU, whose arrays are
-tiled, each transpose is a copy; BENCHMARKS.md, "The TPU compiler".)
+A matrix is stored in its leaf's axis order, so a Flax ``(in, out)`` kernel is stored as
+the transpose ``(C, R)`` (``transposed``): the stored view is a reshape, never a copy (on
+TPU a transpose is one). The polar iteration commutes with transposition; the steps that
+do not (row equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix
+flag. Matrices of the same stored shape, dtype and static options form one stack
+``(K, R, C)``: one batched program across groups and orientations.
 """
 
 from __future__ import annotations
@@ -77,9 +70,8 @@ class MatrixLeaf:
     blocks: tuple[int, int]               # (output_blocks, reduction_blocks): out x in
 
     def view(self, x: jax.Array) -> jax.Array:
-        """The block view of a leaf-shaped array, or of one device's block of the leaf
-        split on block boundaries (:meth:`view_spec`): each cut axis ``n`` becomes
-        ``(n / block size, block size)``."""
+        """The block view of a leaf-shaped array (or of one device's block of it, split on
+        block boundaries): each cut axis ``n`` becomes ``(n / block size, block size)``."""
         if not self.splits:
             return x
         inner_of, shape = dict(self.splits), []
@@ -89,13 +81,9 @@ class MatrixLeaf:
 
     def view_spec(self, spec: tuple[tuple[str, ...], ...],
                   sizes: dict[str, int]) -> tuple[tuple[str, ...], ...]:
-        """The leaf's layout (mesh axes per leaf axis) as a layout of its block view.
-
-        A cut axis split over ``g`` devices, ``g`` dividing its block count, holds whole
-        blocks on each device: the split goes to the block axis. Raises
-        ``NotImplementedError`` for a split that cuts blocks (the engine then gathers the
-        leaf whole first).
-        """
+        """The leaf's layout (mesh axes per leaf axis) as a layout of its block view: a cut
+        axis split into whole blocks splits the block axis. Raises ``NotImplementedError``
+        for a split that cuts blocks (the engine then gathers the leaf whole first)."""
         inner_of, out = dict(self.splits), []
         for a, entry in enumerate(spec):
             if a not in inner_of:
@@ -125,8 +113,7 @@ class MatrixLeaf:
     def split_batch(self, x: jax.Array) -> jax.Array:
         """``(batch, *matrix axes)`` view of a leaf-shaped array (or a block of one)."""
         perm = self.batch_axes + self.matrix_axes
-        return jnp.transpose(x, perm).reshape((-1,) + tuple(x.shape[a] for a in
-                                                            self.matrix_axes))
+        return jnp.transpose(x, perm).reshape((-1,) + tuple(x.shape[a] for a in self.matrix_axes))
 
     def join_batch(self, y: jax.Array, shape: Sequence[int]) -> jax.Array:
         """Inverse of :meth:`split_batch`, back to a leaf (or block) of ``shape``."""
@@ -209,8 +196,7 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
     if len(shape) < 2:
         raise ValueError(
             f"parameter {path!r} has shape {shape} but is labelled for Muon group {group!r}; "
-            "Muon needs a matrix (2 or more axes). Give scalars and vectors to an AdamW "
-            "group.")
+            "Muon needs a matrix (2 or more axes). Give scalars and vectors to an AdamW group.")
     dims = DEFAULT_DIMENSION_NUMBERS if dims is None else dims
     if not is_dimension_numbers(dims):
         raise TypeError(f"parameter {path!r}: dimension_numbers must hold "
@@ -227,28 +213,23 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
     whole_r, split_r = _cut(red, shape, red_blocks, "reduction_blocks", path)
     whole_o, split_o = _cut(out, shape, out_blocks, "output_blocks", path)
     split = {**split_r, **split_o}
-    # The block view: a split axis n becomes (outer, n / outer), outer a batch axis.
-    at: dict[int, tuple[int, ...]] = {}
+    at: dict[int, tuple[int, ...]] = {}   # each leaf axis's axes in the block view
     vshape: list[int] = []
     for a, n in enumerate(shape):
-        if a in split:
-            at[a] = (len(vshape), len(vshape) + 1)
-            vshape += [split[a], n // split[a]]
-        else:
-            at[a] = (len(vshape),)
-            vshape.append(n)
+        parts = [split[a], n // split[a]] if a in split else [n]
+        at[a] = tuple(range(len(vshape), len(vshape) + len(parts)))
+        vshape += parts
     blocked = set(whole_r + whole_o) | set(split)
     batch_axes = tuple(sorted([at[a][0] for a in range(len(shape))
                                if a not in red + out or a in blocked]))
     red_v = tuple(at[a][-1] for a in red if a not in whole_r)
     out_v = tuple(at[a][-1] for a in out if a not in whole_o)
     size = lambda axes: math.prod(vshape[a] for a in axes)  # noqa: E731
-    return MatrixLeaf(index=index, path=path, shape=tuple(vshape),
-                      dtype=jnp.dtype(leaf.dtype), group=group, batch_axes=batch_axes,
-                      out_axes=out_v, in_axes=red_v, batch=size(batch_axes),
-                      rows=size(out_v), cols=size(red_v), leaf_shape=shape,
-                      splits=tuple((a, shape[a] // split[a]) for a in sorted(split)),
-                      blocks=(int(out_blocks), int(red_blocks)))
+    return MatrixLeaf(index=index, path=path, shape=tuple(vshape), dtype=jnp.dtype(leaf.dtype),
+                      group=group, batch_axes=batch_axes, out_axes=out_v, in_axes=red_v,
+                      batch=size(batch_axes), rows=size(out_v), cols=size(red_v),
+                      leaf_shape=shape, blocks=(int(out_blocks), int(red_blocks)),
+                      splits=tuple((a, shape[a] // split[a]) for a in sorted(split)))
 
 
 def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
@@ -275,13 +256,9 @@ def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
 
 
 def normuon_reduces_rows(rows: int, cols: int, transposed: bool) -> bool:
-    """Whether NorMuon averages a stored ``rows x cols`` matrix over its stored rows.
-
-    The rule averages a matrix's own rows when it is wide (one statistic per column),
-    else its own columns (one per row): the short side when not square. Stored either
-    way, that is the stored short side; a square averages its own columns, the stored
-    rows when it is stored transposed. So only squares depend on the orientation.
-    """
+    """Whether NorMuon averages a stored ``rows x cols`` matrix over its stored rows: the
+    short side, whichever way stored; a square averages its own columns, which are the
+    stored rows where it is stored transposed."""
     return rows < cols if rows != cols else transposed
 
 
@@ -305,10 +282,6 @@ class Stack:
         """NorMuon's averaging axis is the stored rows (see ``muon.normuon_axis``)."""
         return normuon_reduces_rows(self.rows, self.cols, self.members[0].transposed)
 
-    def matrices(self) -> list[tuple[int, int]]:
-        """``(member, batch index)`` of every matrix, in stack order."""
-        return [(i, b) for i, m in enumerate(self.members) for b in range(m.batch)]
-
     def stack(self, leaves: Sequence[jax.Array]) -> jax.Array:
         """Stacks the members' leaves (in member order) as ``(K, R, C)``."""
         parts = [m.to_stored(x) for m, x in zip(self.members, leaves)]
@@ -324,7 +297,7 @@ class Stack:
 
 
 def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],
-                signature=lambda leaf: None) -> tuple[Stack, ...]:
+                signature) -> tuple[Stack, ...]:
     """Groups Muon matrices into stacks, in first-seen order; ``signature(leaf)``: what
     else two leaves must share (how they travel between devices)."""
     buckets: dict[tuple, list[MatrixLeaf]] = {}
@@ -334,9 +307,5 @@ def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],
         key = leaf.stored_shape + (str(leaf.dtype), square_layout,
                                    configs[leaf.group].static_key(), signature(leaf))
         buckets.setdefault(key, []).append(leaf)
-    stacks = []
-    for members in buckets.values():
-        rows, cols = members[0].stored_shape
-        stacks.append(Stack(rows=rows, cols=cols, dtype=members[0].dtype,
-                            config=configs[members[0].group], members=tuple(members)))
-    return tuple(stacks)
+    return tuple(Stack(*ms[0].stored_shape, ms[0].dtype, configs[ms[0].group], tuple(ms))
+                 for ms in buckets.values())

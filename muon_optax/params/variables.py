@@ -1,11 +1,9 @@
 """Flax NNX ``Variable`` boxes in the trees users pass, and ``nnx.Optimizer``'s state.
 
 ``nnx.Optimizer`` calls ``tx.init`` with ``nnx.Param`` boxes but ``tx.update`` with plain
-arrays, and Flax's metadata comes boxed too (``nnx.get_partition_spec``). The argument
-trees (labels, dimension numbers, param specs) are read unboxed against the unboxed
-params, so boxed and plain trees mix; params, gradients and states keep their form (a
-boxed state stays boxed, as checkpoints hold it). Without ``flax.nnx`` imported no tree
-can hold its boxes and nothing is done.
+arrays. Argument trees (labels, dimension numbers, param specs) are read unboxed against
+the unboxed params, so boxed and plain trees mix; params, gradients and states keep their
+form. Without ``flax.nnx`` imported no tree can hold a box, and nothing is done.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ def unbox(tree: Any) -> Any:
 
 
 def unboxed_structure(params: Any) -> Any:
-    """The treedef of ``params`` without its boxes: an argument tree (labels, specs) is
-    flattened up to it. A box holds one value, so the leaves keep their order."""
+    """The treedef of ``params`` without its boxes (one value each: the leaves keep their
+    order), which argument trees are flattened up to."""
     return jax.tree.structure(unbox(params))
 
 

@@ -1,5 +1,4 @@
-"""Balanced owners: which device runs each Muon matrix's polar iteration and holds its
-state."""
+"""Balanced owners: which device runs each Muon matrix's polar iteration and holds its state."""
 
 from __future__ import annotations
 
@@ -9,12 +8,9 @@ import numpy as np
 
 
 def lower_bound(costs: np.ndarray, n: int) -> float:
-    """A lower bound on the busiest device's load, whatever the assignment: the mean, the
-    largest unit, and for every ``k`` the ``k n + 1`` largest units, of which some device
-    gets ``k + 1`` (so at least ``k + 1`` times the smallest of them). The last matters
-    where units are few and uneven: 24 big matrices on 16 devices put two on some device,
-    which the mean (1.5 of them) does not see, and balancing state against that loose
-    bound would pile small matrices' state on the devices with one big matrix."""
+    """A lower bound on the busiest device's load: the mean, the largest unit, and for every
+    ``k``, ``k + 1`` times the ``(k n + 1)``-th largest (some device gets ``k + 1`` of those:
+    24 big matrices on 16 devices put two on one, which the mean does not see)."""
     p = np.sort(np.asarray(costs, float))[::-1]
     bound = max(p.sum() / n, p[0] if len(p) else 0.0, 1e-30)
     for k in range(1, (len(p) - 1) // n + 1):
@@ -46,15 +42,12 @@ def _greedy(order: list[int], flops: np.ndarray, state: np.ndarray, owners: np.n
 
 def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: int,
                   fixed: Sequence[int] | None = None) -> np.ndarray:
-    """Owner of every matrix: greedy longest-processing-time across all stacks, from the
-    most to the least expensive (FLOPs, then state), each to the device with the least
-    work so far (ties: least state, lowest index). For nanochat-shaped models this is the
-    best whole-matrix assignment of both FLOPs and state (tests/test_plan.py checks it
-    against an exact search up to N = 256). Where FLOPs and state disagree more (many
-    tiny matrices beside a few large ones), a second greedy balancing both over their
-    lower bounds can do better: the one with the smaller worse ratio is kept.
-    ``fixed[i] >= 0`` pins matrix ``i`` to that device (it already lives there).
-    """
+    """Owner of every matrix: greedy longest-processing-time across all stacks, most
+    expensive first (FLOPs, then state), each to the device with the least work so far
+    (ties: least state, lowest index). Where FLOPs and state disagree (many tiny matrices
+    beside a few large ones), a second greedy balancing both over their lower bounds can
+    do better: the one with the smaller worse ratio is kept. ``fixed[i] >= 0`` pins
+    matrix ``i`` to that device (it already lives there)."""
     flops, state = np.asarray(flops, float), np.asarray(state, float)
     owners = np.full(len(flops), -1, np.int64) if fixed is None else np.asarray(fixed, np.int64)
     order = sorted(np.flatnonzero(owners < 0).tolist(), key=lambda i: (-flops[i], -state[i], i))
@@ -72,13 +65,8 @@ def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: i
 
 def slots_from_owners(owners: np.ndarray, num_devices: int) -> np.ndarray:
     """``(N, S)`` table of each device's owned matrices in stack order, ``-1`` padded."""
-    return slot_table([np.flatnonzero(owners == d) for d in range(num_devices)])
-
-
-def slot_table(per_device: Sequence[Sequence[int]]) -> np.ndarray:
-    """Rows of stack indices, one per device, ``-1`` padded to the longest."""
-    width = max((len(p) for p in per_device), default=0)
-    slots = np.full((len(per_device), width), -1, np.int64)
+    per_device = [np.flatnonzero(owners == d) for d in range(num_devices)]
+    slots = np.full((num_devices, max(map(len, per_device), default=0)), -1, np.int64)
     for d, p in enumerate(per_device):
         slots[d, :len(p)] = p
     return slots

@@ -1,16 +1,10 @@
-"""Who owns which Muon matrix, and where each of its pieces lives on every device.
+"""Who owns which Muon matrix, and where its pieces live on every device.
 
-Muon needs each matrix whole, but no device needs all of them. With ``N`` devices along
-the owner axes, every Muon matrix gets one *owner*: the device that holds its momentum
-and NorMuon state and runs its polar iteration. Owners are chosen across all stacks by
-cost (:func:`assign_owners`), so that the busiest device does about ``1/N`` of the work
-and holds about ``1/N`` of the state, whatever the stack sizes.
-
-Under SPMD every device runs the same program, so uneven ownership lives in data: each
-device's share of every flat buffer lists its matrices stack by stack (a *channel*), at
-offsets read from small static tables indexed by the device. A stack runs the slots
-every device owns as one batched program and the rest one at a time under ``lax.cond``:
-the program's size depends on the stacks and slots per device, never on ``N``.
+Each Muon matrix has one *owner* among the ``N`` devices of the owner axes, which holds its
+state and runs its polar iteration; owners are balanced across all stacks by cost
+(:func:`assign_owners`). Every device runs the same program, so uneven ownership lives in
+data: each device's share of a flat buffer lists its matrices stack by stack (a
+*channel*), at offsets read from static tables indexed by the device.
 """
 
 from __future__ import annotations
@@ -33,25 +27,21 @@ from muon_optax.params.layout import (
     matrix_leaf,
     plan_stacks,
 )
-from muon_optax.plan.owners import assign_owners, slot_table, slots_from_owners
+from muon_optax.plan.owners import assign_owners, slots_from_owners
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL, Route, classify, local_holders
 from muon_optax.plan.specs import Spec, adamw_shard_axis, padded_shape
 from muon_optax.plan.warn import warn
 from muon_optax.rule.hparams import AdamWConfig
 from muon_optax.rule.polar import choose_method, default_compute_dtype, polar_flops
 
-# Elementwise FLOPs per element of a Muon matrix around its polar iteration (momentum,
-# the scalings, NorMuon, the cautious update); part of the cost model only.
+# Elementwise FLOPs per element of a Muon matrix around its polar iteration (cost model).
 MUON_ELEMENTWISE_FLOPS = 30
 
 
 @dataclasses.dataclass(frozen=True)
 class StackPlan:
-    """A stack, how its matrices travel, and which device owns each of them.
-
-    ``slots[d, j]`` is the stack index (member order, matrices enumerated) of device
-    ``d``'s ``j``-th owned matrix, ``-1`` past its count.
-    """
+    """A stack, how its matrices travel, and their owners. ``slots[d, j]``: the stack
+    index of device ``d``'s ``j``-th owned matrix, ``-1`` past its count."""
 
     stack: Stack
     transport: str
@@ -61,21 +51,20 @@ class StackPlan:
 
     @property
     def route(self) -> Route | None:
-        """The first member's route: every member's pieces and blocks have its sizes."""
+        """The first member's: every member's pieces and blocks have its sizes."""
         return self.routes[0]
 
     def variants(self) -> tuple[list[int], np.ndarray]:
-        """For an ``"exchange"`` stack whose members are split differently (an MLP's
-        ``c_fc`` on its rows, ``c_proj`` on its columns): one representative member per
-        distinct (route, matrix layout), and each slot's variant, ``(N, S)``."""
+        """An ``"exchange"`` stack's members split differently (an MLP's ``c_fc`` on its
+        rows, ``c_proj`` on its columns): one member per distinct (route, matrix layout),
+        and each slot's variant, ``(N, S)``."""
         keys = [(r, tuple(m.shape[a] for a in m.matrix_axes), m.sides)
                 for r, m in zip(self.routes, self.stack.members)]
         first = {key: i for i, key in reversed(list(enumerate(keys)))}
         reps = sorted(set(first.values()))
-        variant_of_member = [reps.index(first[key]) for key in keys]
-        member_of = np.repeat(np.arange(len(keys)), [m.batch for m in self.stack.members])
-        table = np.asarray(variant_of_member)[member_of[np.maximum(self.slots, 0)]]
-        return reps, table
+        per_matrix = np.repeat([reps.index(first[key]) for key in keys],
+                               [m.batch for m in self.stack.members])
+        return reps, per_matrix[np.maximum(self.slots, 0)]
 
     @property
     def counts(self) -> np.ndarray:
@@ -93,16 +82,14 @@ class StackPlan:
     def slot_of(self) -> np.ndarray:
         """Each matrix's slot on its owner."""
         out = np.zeros(self.stack.size, np.int64)
-        for d, row in enumerate(self.slots):
-            for j, i in enumerate(row):
-                if i >= 0:
-                    out[i] = j
+        d, j = np.nonzero(self.slots >= 0)
+        out[self.slots[d, j]] = j
         return out
 
     @property
     def second_shape(self) -> tuple[int, int]:
-        """One matrix's NorMuon second moment, stored: a row or a column (one unused
-        element when the group runs without NorMuon)."""
+        """One matrix's stored NorMuon second moment: a row or a column (one unused
+        element without NorMuon)."""
         st = self.stack
         if not st.config.normuon:
             return (1, 1)
@@ -114,10 +101,10 @@ class StackPlan:
 
     @property
     def state_key(self) -> tuple[Any, ...]:
-        """``(parameter dtype, momentum dtype)``: the stacks whose state shares buffers,
-        so each device may own a different mix in the busiest device's total. On one
-        device each stack keeps its own (the key adds its first leaf's index), updated
-        in place: a slice of a shared buffer that a step rewrites gets copied."""
+        """``(parameter dtype, momentum dtype)``: stacks whose state shares buffers, so
+        each device may own a different mix. On one device each stack keeps its own (the
+        key adds its first leaf's index): a slice of a shared buffer that a step rewrites
+        gets copied, its own buffer is updated in place."""
         mu = self.stack.config.mu_dtype
         key = (self.stack.dtype, self.stack.dtype if mu is None else np.dtype(mu))
         return key + (self.stack.members[0].index,) if self.slots.shape[0] == 1 else key
@@ -135,30 +122,10 @@ class Channel:
     length: int
 
 
-def make_channel(stacks: Sequence[StackPlan], members: Sequence[int],
-                 size_of) -> Channel:
-    """Lays out the given stacks' slots in every device's share, in stack order."""
-    n = stacks[0].slots.shape[0] if stacks else 1
-    offsets = np.zeros((len(stacks), n), np.int64)
-    sizes = [0] * len(stacks)
-    used = np.zeros(n, np.int64)
-    for k in members:
-        sizes[k] = size_of(stacks[k])
-        offsets[k] = used
-        used = used + stacks[k].counts * sizes[k]
-    return Channel(tuple(members), offsets, tuple(sizes), int(used.max()) if n else 0)
-
-
-# ------------------------------------------------------------------------ cost model
-
-
 def matrix_flops(stack: Stack, method: str = "direct") -> int:
-    """Cost of one matrix of ``stack``: its polar iteration and the elementwise math.
-
-    The owner plan counts the direct form, the rule as written and what accelerators run
-    by default (bfloat16), so it is the same on every backend (CPU's float32 Gram-space
-    steps make 4:1 matrices 1.3x cheaper).
-    """
+    """Cost of one matrix of ``stack``: its polar iteration and the elementwise math. The
+    owner plan counts the direct form (as written, and what accelerators run by default),
+    so that it is the same on every backend."""
     return (polar_flops(stack.rows, stack.cols, stack.config.ns_steps, method)
             + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
 
@@ -172,9 +139,6 @@ def executed_flops(stack: Stack) -> int:
                                              cfg.polar_method, dtype))
 
 
-# ------------------------------------------------------------------------ the plan
-
-
 @dataclasses.dataclass(frozen=True)
 class OwnerPlan:
     """Owners, slots and channels of every Muon stack for ``num_devices`` devices."""
@@ -186,11 +150,9 @@ class OwnerPlan:
     back: dict[Any, Channel]         # grad dtype -> all-to-all blocks, back to holders
     momentum: dict[Any, Channel]     # state key -> momentum of the owned matrices
     second: dict[Any, Channel]       # state key -> their NorMuon second moments
-    local_slots: dict[int, list[list[tuple[int, int]]]]  # stack -> device -> (member, b)
 
-    def device_flops(self, cost=None) -> list[float]:
-        """Each device's Muon FLOPs (``cost(stack)`` per matrix; default: as run here)."""
-        cost = cost or executed_flops
+    def device_flops(self, cost) -> list[float]:
+        """Each device's Muon FLOPs, ``cost(stack)`` per matrix."""
         out = np.zeros(self.num_devices)
         for sp in self.stacks:
             out += sp.counts * cost(sp.stack)
@@ -203,12 +165,22 @@ class OwnerPlan:
 
 
 def _channels(stacks: tuple[StackPlan, ...], key_of, size_of) -> dict[Any, Channel]:
-    """One channel per ``key_of(stack plan)`` (None: in none)."""
+    """One channel per ``key_of(stack plan)`` (None: in none), its stacks' slots back to
+    back in every device's share, in stack order."""
     by_key: dict[Any, list[int]] = {}
     for k, sp in enumerate(stacks):
         if key_of(sp) is not None:
             by_key.setdefault(key_of(sp), []).append(k)
-    return {key: make_channel(stacks, ks, size_of) for key, ks in by_key.items()}
+    channels = {}
+    for key, members in by_key.items():
+        offsets = np.zeros((len(stacks), stacks[0].slots.shape[0]), np.int64)
+        sizes, used = [0] * len(stacks), np.zeros(stacks[0].slots.shape[0], np.int64)
+        for k in members:
+            sizes[k] = size_of(stacks[k])
+            offsets[k] = used
+            used = used + stacks[k].counts * sizes[k]
+        channels[key] = Channel(tuple(members), offsets, tuple(sizes), int(used.max()))
+    return channels
 
 
 def _dtype_if(kind: str):
@@ -217,52 +189,29 @@ def _dtype_if(kind: str):
 
 def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
                     routes: Sequence[Sequence[Route | None]],
-                    holders: Sequence[np.ndarray | None], num_devices: int,
-                    local_held: Sequence[list[list[tuple[int, int]]] | None]) -> OwnerPlan:
+                    holders: Sequence[np.ndarray | None], num_devices: int) -> OwnerPlan:
     """Assigns owners across all stacks and lays out every channel. ``routes[k]``: each
     member's route (``"exchange"`` stacks); ``holders[k]`` pins a ``"local"`` stack's
-    matrices to their devices, ``local_held[k][d]`` lists device ``d``'s (member, batch
-    index) pairs."""
-    flops, state, fixed, where = [], [], [], []
-    for k, (stack, hold) in enumerate(zip(stacks, holders)):
-        f = matrix_flops(stack)
+    matrices to the devices that hold them."""
+    flops, state, fixed = [], [], []
+    for stack, hold in zip(stacks, holders):
+        # The state in the parameter dtype (the cost model only).
         s = stack.rows * stack.cols + (stack.cols if stack.reduces_rows else stack.rows)
-        for i in range(stack.size):  # (state in the parameter dtype; the cost model only)
-            flops.append(f)
-            state.append(s * np.dtype(stack.dtype).itemsize)
-            fixed.append(-1 if hold is None else int(hold[i]))
-            where.append((k, i))
+        flops += [matrix_flops(stack)] * stack.size
+        state += [s * np.dtype(stack.dtype).itemsize] * stack.size
+        fixed += [-1] * stack.size if hold is None else hold.tolist()
     owners = assign_owners(flops, state, num_devices, fixed)
-    per_stack = [np.zeros(s.size, np.int64) for s in stacks]
-    for (k, i), d in zip(where, owners):
-        per_stack[k][i] = d
-    plans = []
-    for k, (stack, kind) in enumerate(zip(stacks, transports)):
-        if kind == LOCAL:
-            slots = _local_slots(stack, local_held[k], num_devices)
-        else:
-            slots = slots_from_owners(per_stack[k], num_devices)
-        plans.append(StackPlan(stack, kind, tuple(routes[k]), per_stack[k], slots))
-    plans = tuple(plans)
-    local = {k: local_held[k] for k, sp in enumerate(plans) if sp.transport == LOCAL}
+    per_stack = np.split(owners, np.cumsum([st.size for st in stacks])[:-1])
+    plans = tuple(StackPlan(st, kind, tuple(r), own, slots_from_owners(own, num_devices))
+                  for st, kind, r, own in zip(stacks, transports, routes, per_stack))
     matrix_size = lambda sp: sp.stack.rows * sp.stack.cols  # noqa: E731
     state_key = lambda sp: sp.state_key  # noqa: E731
-    return OwnerPlan(
-        num_devices, plans,
-        gather=_channels(plans, _dtype_if(GATHER), matrix_size),
-        exchange=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.piece),
-        back=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.block_size),
-        momentum=_channels(plans, state_key, matrix_size),
-        second=_channels(plans, state_key, lambda sp: sp.second_size), local_slots=local)
-
-
-def _local_slots(stack: Stack, held: list[list[tuple[int, int]]], n: int) -> np.ndarray:
-    """A local stack's slots: each device's own matrices, as stack indices."""
-    start = np.cumsum([0] + [m.batch for m in stack.members])
-    return slot_table([[int(start[i] + b) for i, b in held[d]] for d in range(n)])
-
-
-# ------------------------------------------------------------------ a params tree's plan
+    return OwnerPlan(num_devices, plans,
+                     gather=_channels(plans, _dtype_if(GATHER), matrix_size),
+                     exchange=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.piece),
+                     back=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.block_size),
+                     momentum=_channels(plans, state_key, matrix_size),
+                     second=_channels(plans, state_key, lambda sp: sp.second_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +257,7 @@ class TreePlan:
         return tuple(self.owner.momentum)
 
 
-def _signature(leaf: MatrixLeaf, transport: str, route: Route | None) -> tuple:
+def _signature(transport: str, route: Route | None) -> tuple:
     """What else matrices must share to be batched: the transport, and for an exchange
     the sizes of its pieces and blocks (layouts may differ: see ``StackPlan.variants``)."""
     if transport != EXCHANGE:
@@ -333,8 +282,7 @@ def check_real_float(dtype: Any, path: str, where: str) -> None:
 
 def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                    dimension_numbers: Any, axes: Sequence[tuple[str, int]],
-                   specs: Sequence[Spec] | None, threshold: int,
-                   where: str = "muon_adamw") -> TreePlan:
+                   specs: Sequence[Spec] | None, threshold: int, where: str) -> TreePlan:
     """Everything static about ``params`` for ``axes`` (owner axes with their sizes);
     ``specs``: each leaf's layout over the mesh (``None``: all whole, as in ``shard_map``)."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -342,8 +290,7 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
     leaves = [x for _, x in leaves_with_path]
     for path, x in zip(paths, leaves):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{where}: parameter {path!r} is a {type(x).__name__}, not an "
-                            "array.")
+            raise TypeError(f"{where}: parameter {path!r} is a {type(x).__name__}, not an array.")
         check_real_float(x.dtype, path, where)
     specs = list(specs) if specs is not None else [((),) * len(x.shape) for x in leaves]
     labels = flat_labels(param_labels, params, paths, list(configs))
@@ -357,33 +304,20 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             matrices.append(leaf)
             continue
-        if any(specs[i]):
-            adamw_leaves.append(AdamWLeaf(i, path, label, shape, None, shape, local=True,
-                                          mu_dtype=configs[label].mu_dtype))
-        else:
-            axis = adamw_shard_axis(shape, n, threshold)
-            adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis,
-                                          padded_shape(shape, axis, n),
-                                          mu_dtype=configs[label].mu_dtype))
+        local = any(specs[i])   # split by the user: updated where it lies
+        axis = None if local else adamw_shard_axis(shape, n, threshold)
+        adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis, padded_shape(shape, axis, n),
+                                      local, configs[label].mu_dtype))
     for a in adamw_leaves:   # after the Muon leaves', whose errors say more
         check_unused(dims[a.index], a.path, a.group)
-    stacks = plan_stacks(matrices, configs, lambda leaf: _signature(leaf, *kinds[leaf.index]))
-    holders, held = [], []
-    for st in stacks:
-        if kinds[st.members[0].index][0] != LOCAL:
-            holders.append(None)
-            held.append(None)
-            continue
-        hold = [local_holders(m, m.view_spec(specs[m.index], dict(axes)), axes)
-                for m in st.members]
-        holders.append(np.concatenate([h for h, _ in hold]))
-        held.append([[(i, b) for i, (_, per_device) in enumerate(hold) for b in per_device[d]]
-                     for d in range(n)])
-    owner = make_owner_plan(stacks, [kinds[st.members[0].index][0] for st in stacks],
-                            [[kinds[m.index][1] for m in st.members] for st in stacks],
-                            holders, n, held)
+    stacks = plan_stacks(matrices, configs, lambda leaf: _signature(*kinds[leaf.index]))
+    transports = [kinds[st.members[0].index][0] for st in stacks]
+    holders = [None if kind != LOCAL else np.concatenate(
+        [local_holders(m, m.view_spec(specs[m.index], dict(axes)), axes) for m in st.members])
+        for st, kind in zip(stacks, transports)]
+    routes = [[kinds[m.index][1] for m in st.members] for st in stacks]
     return TreePlan(treedef, paths, tuple(specs), tuple(axes), tuple(adamw_leaves),
-                    tuple(matrices), owner)
+                    tuple(matrices), make_owner_plan(stacks, transports, routes, holders, n))
 
 
 def _muon_transport(leaf: MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]],

@@ -1,16 +1,10 @@
-"""How a Muon matrix reaches its owner depends on how its leaf is laid out over the owner axes
-(its *transport*):
+"""A Muon leaf's *transport*, from its layout over the owner axes (how each moves:
+``step/transport.py``):
 
-- ``"gather"``: the leaf is whole on every device (replicated params, ZeRO-2). The owner
-  takes its matrices from one reduce-scatter of a flat, device-major buffer of every
-  device's gradients (or from its own copy, when the gradients arrive already reduced),
-  and the directions go back to every device by one all-gather of that buffer.
-- ``"exchange"``: the leaf's matrix axes are split over the owner axes (FSDP, tensor
-  parallel, both). Every holder sends its owner an equal piece of the matrix, so one
-  all-to-all assembles every matrix on its owner; a second all-to-all sends each holder
-  its block of the direction.
-- ``"local"``: the leaf is split along its batch (layer) axes over all owner axes: each
-  device owns the matrices it holds, and nothing moves.
+- ``"gather"``: whole on every device (replicated params, ZeRO-2);
+- ``"exchange"``: its matrix axes split (FSDP, tensor parallel, both): every holder sends
+  the owner an equal piece;
+- ``"local"``: its batch (layer) axes split over all owner axes: nothing moves.
 """
 
 from __future__ import annotations
@@ -28,13 +22,10 @@ GATHER, EXCHANGE, LOCAL = "gather", "exchange", "local"
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """How an ``"exchange"`` leaf's matrix axes are split over the owner axes.
-
-    ``grid[i]`` blocks along matrix axis ``i`` (the leaf's non-batch axes in leaf order);
-    ``replicas`` devices hold each block. Source device ``s`` (its linear index over the
-    owner axes) holds block ``block_of[s]`` and sends its owner sub-piece
-    ``replica_of[s]`` of it, ``piece`` elements, so every source sends the same amount.
-    """
+    """How an ``"exchange"`` leaf's matrix axes are split over the owner axes:
+    ``grid[i]`` blocks along matrix axis ``i`` (leaf order), each held by ``replicas``
+    devices. Device ``s`` (linear index over the owner axes) holds block ``block_of[s]``
+    and sends the owner its sub-piece ``replica_of[s]``, ``piece`` elements."""
 
     mshape: tuple[int, ...]
     grid: tuple[int, ...]
@@ -79,16 +70,13 @@ def _linear(coords: dict[str, int], names: Sequence[str], sizes: dict[str, int])
 
 def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
              axes: Sequence[tuple[str, int]]) -> tuple[str, Route | None]:
-    """The transport of a Muon leaf laid out as ``spec`` (mesh axes per leaf axis).
-
-    Raises ``NotImplementedError`` for layouts this module does not move (both the batch
-    axes and the matrix axes split, or batch axes split over only some owner axes); the
-    engine then gathers such a leaf whole first.
-    """
+    """The transport of a Muon leaf laid out as ``spec`` (mesh axes per leaf axis), and its
+    route. Raises ``NotImplementedError`` for a layout it cannot move (the engine then
+    gathers the leaf whole first)."""
     sizes = dict(axes)
     n = math.prod(sizes.values())
-    batch_split = [a for i in leaf.batch_axes for a in spec[i]]
     matrix_axes = leaf.matrix_axes
+    batch_split = [a for i in leaf.batch_axes for a in spec[i]]
     matrix_split = [a for i in matrix_axes for a in spec[i]]
     if not batch_split and not matrix_split:
         return GATHER, None
@@ -99,8 +87,7 @@ def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
             raise NotImplementedError("its batch axes are split over only some owner axes")
         return LOCAL, None
     grid = tuple(math.prod(sizes[a] for a in spec[i]) for i in matrix_axes)
-    used = set(matrix_split)
-    replica_axes = [name for name, _ in axes if name not in used]
+    replica_axes = [name for name, _ in axes if name not in matrix_split]
     block_of, replica_of = [], []
     for d in range(n):
         coords = device_coords(d, axes)
@@ -109,29 +96,21 @@ def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
             index = index * g + _linear(coords, spec[i], sizes)
         block_of.append(index)
         replica_of.append(_linear(coords, replica_axes, sizes))
-    mshape = tuple(leaf.shape[i] for i in matrix_axes)
-    return EXCHANGE, Route(mshape, grid, n // math.prod(grid), tuple(block_of),
-                           tuple(replica_of))
+    return EXCHANGE, Route(tuple(leaf.shape[i] for i in matrix_axes), grid,
+                           n // math.prod(grid), tuple(block_of), tuple(replica_of))
 
 
 def local_holders(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
-                  axes: Sequence[tuple[str, int]]) -> tuple[np.ndarray, list[list[int]]]:
-    """For a ``"local"`` leaf: the device holding each matrix (batch index, row-major
-    over the batch axes), and each device's matrices in its local row-major order."""
+                  axes: Sequence[tuple[str, int]]) -> np.ndarray:
+    """For a ``"local"`` leaf: the device holding each matrix (row-major over the batch
+    axes)."""
     sizes = dict(axes)
-    n = math.prod(sizes.values())
-    bshape = [leaf.shape[i] for i in leaf.batch_axes]
-    grid = [math.prod(sizes[a] for a in spec[i]) for i in leaf.batch_axes]
-    holder = np.zeros(leaf.batch, np.int64)
-    held: list[list[int]] = [[] for _ in range(n)]
-    for d in range(n):
-        coords = device_coords(d, axes)
-        ranges = []
-        for i, size, g in zip(leaf.batch_axes, bshape, grid):
+    holder = np.zeros([leaf.shape[i] for i in leaf.batch_axes], np.int64)
+    for d in range(math.prod(sizes.values())):
+        coords, at = device_coords(d, axes), []
+        for k, i in enumerate(leaf.batch_axes):
+            size = holder.shape[k] // math.prod(sizes[a] for a in spec[i])
             block = _linear(coords, spec[i], sizes)
-            ranges.append(range(block * (size // g), (block + 1) * (size // g)))
-        for idx in np.ndindex(*[len(r) for r in ranges]):
-            b = int(np.ravel_multi_index([r[k] for r, k in zip(ranges, idx)], bshape))
-            holder[b] = d
-            held[d].append(b)
-    return holder, held
+            at.append(slice(block * size, (block + 1) * size))
+        holder[tuple(at)] = d
+    return holder.reshape(-1)

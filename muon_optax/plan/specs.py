@@ -1,6 +1,5 @@
-"""The owner axes and the leaves' layouts: which mesh axes own the Muon matrices, how
-the user laid out each parameter, and along which axis a large AdamW parameter is split.
-"""
+"""Which mesh axes own the Muon matrices, how the user laid out each parameter, and along
+which axis a large AdamW parameter is split."""
 
 from __future__ import annotations
 
@@ -37,30 +36,27 @@ def check_owner_args(axis_name: Any, mesh: Any, where: str) -> None:
             f"optax.inject_hyperparams pass static_args=(\"axis_name\", \"mesh\"): a Mesh is "
             f"callable (a context decorator) and inject_hyperparams takes every callable "
             f"for a schedule.")
+    names = tuple(mesh.shape)
     if axes is None:
         raise ValueError(f"{where}: mesh= needs axis_name= naming the mesh axes that own the "
-                         f"Muon matrices, one of {tuple(getattr(mesh, 'shape', {}))} or a tuple "
-                         "of them.")
-    missing = [a for a in axes if a not in getattr(mesh, "shape", {})]
+                         f"Muon matrices, one of {names} or a tuple of them.")
+    missing = [a for a in axes if a not in names]
     if missing:
-        raise ValueError(f"{where}: mesh= has axes {tuple(getattr(mesh, 'shape', {}))}, not "
-                         f"{missing[0]!r} (axis_name={axis_name!r}).")
+        raise ValueError(f"{where}: mesh= has axes {names}, not {missing[0]!r} "
+                         f"(axis_name={axis_name!r}).")
 
 
-# ------------------------------------------------------------------ AdamW split axis
-# A large AdamW parameter is split along its leading axis unless that needs more than
-# this fraction of padding: splitting a minor axis makes XLA transpose the gradient,
-# the parameter and both moments every step (BENCHMARKS.md), to save a few rows.
+# Splitting a minor axis makes XLA transpose the gradient, the parameter and both moments
+# every step, so the leading axis is split unless that pads it by more than this.
 LEADING_AXIS_MAX_PADDING = 1 / 32
 
 
 def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -> int | None:
-    """The axis a large AdamW parameter is split along: the leading one, if padding it
-    to a multiple of N adds at most ``LEADING_AXIS_MAX_PADDING`` of its length, else the
-    one with the least padding; None (all-reduced, updated everywhere) under
-    ``threshold`` elements, for scalars and empty ones."""
+    """The axis a large AdamW parameter is split along: the leading one within
+    ``LEADING_AXIS_MAX_PADDING``, else the one padded least; None (all-reduced, updated
+    everywhere) under ``threshold`` elements or empty."""
     if math.prod(shape) < threshold or not math.prod(shape):
-        return None   # small, a scalar, or size 0 (nothing to split)
+        return None
     padding = [-(-n // num_devices) * num_devices - n for n in shape]
     if padding[0] <= LEADING_AXIS_MAX_PADDING * shape[0]:
         return 0
@@ -68,14 +64,8 @@ def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -
 
 
 def padded_shape(shape: tuple[int, ...], axis: int | None, num_devices: int) -> tuple[int, ...]:
-    if axis is None:
-        return tuple(shape)
-    out = list(shape)
-    out[axis] = -(-shape[axis] // num_devices) * num_devices
-    return tuple(out)
-
-
-# ------------------------------------------------------------------ leaf layouts
+    return tuple(-(-n // num_devices) * num_devices if a == axis else n
+                 for a, n in enumerate(shape))
 
 
 def split_spec(axis: int | None, axes: tuple[str, ...] | None) -> P:
@@ -98,28 +88,18 @@ def normalize_spec(spec: Any, ndim: int, path: str) -> Spec:
     if not isinstance(spec, P):
         raise TypeError(f"parameter {path!r}: param_specs must hold PartitionSpecs or "
                         f"NamedShardings, got {spec!r}.")
-    entries = list(spec) + [None] * (ndim - len(spec))
-    if len(entries) > ndim:
+    if len(spec) > ndim:
         raise ValueError(f"parameter {path!r} has {ndim} axes but its PartitionSpec {spec} "
                          f"names {len(spec)}.")
-    out = []
-    for e in entries:
-        if e is None or e is P.UNCONSTRAINED:
-            out.append(())
-        else:
-            out.append((e,) if isinstance(e, str) else tuple(e))
-    return tuple(out)
+    return tuple(() if e is None or e is P.UNCONSTRAINED else (e,) if isinstance(e, str)
+                 else tuple(e) for e in list(spec) + [None] * (ndim - len(spec)))
 
 
 def typed_spec(x: Any, path: str) -> Spec | None:
     """The layout in ``x``'s type, if its mesh axes are Explicit (else None: unknown)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not getattr(mesh, "axis_names", ()):
-        return None
-    explicit = {name for name, t in zip(mesh.axis_names, mesh.axis_types)
-                if t == jax.sharding.AxisType.Explicit}
-    if not explicit:
+    if mesh is None or jax.sharding.AxisType.Explicit not in getattr(mesh, "axis_types", ()):
         return None
     return normalize_spec(sharding.spec, len(x.shape), path)
 
@@ -129,10 +109,8 @@ def placement_spec(x: Any, path: str) -> Spec | None:
     ``NamedSharding``; an array on one device or in host memory is whole (replicated).
     None for a traced leaf on Auto axes (or a shape struct without a sharding)."""
     typed = typed_spec(x, path)
-    if typed is not None:
+    if typed is not None or isinstance(x, jax.core.Tracer):
         return typed
-    if isinstance(x, jax.core.Tracer):
-        return None
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
         return normalize_spec(sharding.spec, len(x.shape), path)
@@ -143,10 +121,10 @@ def placement_spec(x: Any, path: str) -> Spec | None:
 
 def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding.Mesh,
                  known: Sequence[Spec] | None, where: str) -> list[Spec]:
-    """Each leaf's layout over ``mesh`` when no ``param_specs`` were given: as the leaf
-    shows it, else ``known`` (recorded in the state by an eager ``init``). A traced leaf on
-    ``AxisType.Auto`` axes shows none; taken as replicated it would be gathered whole
-    every step, so where the layout was never seen this raises instead."""
+    """Each leaf's layout over ``mesh`` without ``param_specs``: as the leaf shows it, else
+    ``known`` (recorded in the state by an eager ``init``). A traced leaf on Auto axes
+    shows none; taken as replicated it would be gathered whole every step, so where the
+    layout was never seen this raises instead."""
     specs = [placement_spec(x, p) for x, p in zip(leaves, paths)]
     if all(s is not None for s in specs):
         return specs

@@ -1,13 +1,7 @@
-"""The layout a state was made for, kept in the static part of the state's structure.
-
-The same params laid out another way (replicated, then split along their layer axis;
-another device count) may give Muon buffers of the same shapes whose rows belong to
-other matrices: the state would update the wrong matrices without any shape error. So
-every state carries a :class:`StateLayout` in its treedef (free at run time: ``jax.jit``
-compares treedefs when it traces), and ``update`` refuses a state whose layout is not
-its params' (as far as it sees them: traced params on ``AxisType.Auto`` axes show none,
-and are taken as laid out as the state records).
-"""
+"""The layout a state was made for, kept in its treedef (free at run time: ``jax.jit``
+compares treedefs when it traces). Params laid out another way (another split or device
+count) may give Muon buffers of the same shapes whose rows belong to other matrices, with
+no shape error: ``update`` refuses a state made for another layout."""
 
 from __future__ import annotations
 
@@ -23,12 +17,10 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
     """What a state's Muon buffers mean: the device count and a digest of every state
-    channel (which matrix, member, block and stored orientation sits at each offset of
-    each device's share). ``transports`` only describes (a state made for replicated
-    params serves FSDP-split ones whenever the owners agree). ``specs``: the ``mesh=``
-    form's params' layouts as an eager ``init`` saw them, for ``update`` where a traced
-    param's type does not show its layout.
-    """
+    channel (which matrix sits at each offset of each device's share, how stored).
+    ``transports`` only describes: the same owners serve replicated and FSDP-split params.
+    ``specs``: the params' layouts an eager ``init`` saw, for ``update`` where a traced
+    param's type does not show them."""
 
     devices: int
     digest: str
@@ -41,18 +33,15 @@ class StateLayout:
 
 
 def layout_of(plan: Any) -> StateLayout:
-    """The :class:`StateLayout` of a :class:`muon_optax.plan.plan.TreePlan`: the same
-    digest on every host (no Python ``hash``). Not of the AdamW moments: their global
-    arrays mean the same whatever their split."""
+    """The :class:`StateLayout` of a ``TreePlan``, the same on every host (no Python
+    ``hash``). AdamW moments are left out: their global arrays mean the same, however split."""
     owner = plan.owner
     parts: list[Any] = [owner.num_devices]
     for kind in (owner.momentum, owner.second):
         for key, ch in kind.items():
-            parts.append((tuple(str(k) for k in key), ch.length, ch.sizes,
-                          ch.offsets.tolist()))
+            parts.append((tuple(str(k) for k in key), ch.length, ch.sizes, ch.offsets.tolist()))
             for k in ch.stacks:
-                sp = owner.stacks[k]
-                st = sp.stack
+                sp, st = owner.stacks[k], owner.stacks[k].stack
                 parts.append((k, st.rows, st.cols, sp.second_shape, sp.slots.tolist(),
                               tuple((m.index, m.batch, m.blocks, tuple(m.stored_perm))
                                     for m in st.members)))
