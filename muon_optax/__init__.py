@@ -4,12 +4,11 @@
     state = tx.init(params)
     updates, state = tx.update(grads, state, params)
 
-See the README for the mapping from nanochat's ``param_groups``. The package in layers,
-each folder importing only from itself and the folders above it in this list
-(``tests/test_package.py`` checks it):
+See the README for nanochat's ``param_groups``. Each folder imports only from itself and
+those above it here (``tests/test_package.py`` checks it):
 
-    rule/    nanochat's rule on arrays: coefficients, the polar iteration, the Muon and
-             AdamW kernels, the groups' hyperparameters; contrib.py, optax's and torch's
+    rule/    nanochat's rule on arrays: coefficients, polar iteration, Muon and AdamW
+             kernels, the groups' hyperparameters; optax's and torch's (contrib.py)
     params/  what the params are: labels, dimension numbers, matrix leaves, stacks
     plan/    the static plan: owners, transports, layouts, the state's layout
     step/    the traced update: one device, sharded, the transports, the mesh= form
@@ -17,12 +16,12 @@ each folder importing only from itself and the folders above it in this list
     tools/   describe and estimate
     api/     the public constructors
 
-One update, ``tx.update`` to the returned updates: ``step/engine.py:local_update`` steps
-the AdamW leaves where they lie, then the Muon phase: ``step/one_device.py`` on one
-device, else ``step/sharded.py``, which loads each stack's owned matrices through
-``step/transport.py`` (``step/exchange.py`` for split ones), runs the rule's kernel
-(``rule/muon.py``) and stores the directions back; ``step/matrices.py`` finishes each
-leaf (the cautious update). Under ``mesh=``, ``step/jit_mode.py`` wraps it in a shard_map.
+One update: ``step/engine.py:local_update`` steps the AdamW leaves where they lie, then
+Muon: ``step/one_device.py`` on one device, else ``step/sharded.py``, which loads each
+stack's owned matrices through ``step/transport.py`` (``step/exchange.py`` for split
+ones), runs ``rule/muon.py``'s kernel and stores the directions back;
+``step/matrices.py`` finishes each leaf (the cautious update). Under ``mesh=``,
+``step/jit_mode.py`` wraps it in a shard_map.
 """
 
 from muon_optax.api.contrib import contrib_muon

@@ -1,2 +1,1 @@
-"""The public constructors: ``muon_adamw``, ``muon``, ``adamw``, ``contrib_muon``,
-``torch_muon``."""
+"""The public constructors: muon_adamw, muon, adamw, contrib_muon, torch_muon."""

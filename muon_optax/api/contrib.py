@@ -1,9 +1,8 @@
 """``contrib_muon``: optax.contrib.muon's rule on muon_optax's engine.
 
-Same arguments, same defaults, same updates (float32: within 1e-5 of optax's parameter
-change), with the engine's stacking of same-shape matrices, ZeRO-2 sharding
-(``axis_name``, ``mesh``) and :func:`muon_optax.state_specs`. The rule, as optax 0.2.8
-computes it (its kernel: :mod:`muon_optax.rule.contrib`):
+Same arguments, defaults and updates (float32: within 1e-5 of optax's parameter change),
+with the engine's stacking of same-shape matrices, sharding (``axis_name``, ``mesh``) and
+:func:`muon_optax.state_specs`. The rule, as optax 0.2.8 computes it:
 
     Muon leaves (2-D by default, or as ``muon_weight_dimension_numbers`` says):
       m = beta m + (1 - beta) g
@@ -16,10 +15,9 @@ computes it (its kernel: :mod:`muon_optax.rule.contrib`):
     other leaves: optax.adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2,
       eps, adam_eps_root, adam_weight_decay, mu_dtype, nesterov)
 
-It maps onto one :class:`~muon_optax.rule.contrib.ContribConfig` (the rule's kernel), a
-second one without decay for the Muon leaves that ``weight_decay_mask`` leaves out (the
-two share stacks), and one :class:`~muon_optax.rule.hparams.AdamWConfig` with optax's Adam
-options.
+It maps onto a :class:`~muon_optax.rule.contrib.ContribConfig` (the rule's kernel), a copy
+without decay for the Muon leaves ``weight_decay_mask`` leaves out (sharing their stacks),
+and an :class:`~muon_optax.rule.hparams.AdamWConfig` with optax's Adam options.
 """
 
 import dataclasses
@@ -64,12 +62,9 @@ _FLAX_LAYOUT = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
 
 
 def contrib_coefficients(ns_coeffs: Any, ns_steps: Any, where: str = "contrib_muon") -> Coeffs:
-    """The ``(a, b, c)`` of every iteration, as optax.contrib.muon reads its arguments.
-
-    A triple (or ``"standard"``) runs ``ns_steps`` times. A table (``"dion"``, or an
-    ``(n, 3)`` array) runs its ``n`` rows, one per step, whatever ``ns_steps`` is, which
-    must be at least ``n`` (optax's rule; it keeps the last ``ns_steps`` rows).
-    """
+    """The ``(a, b, c)`` of every iteration, as optax.contrib.muon reads its arguments: a
+    triple (or ``"standard"``) runs ``ns_steps`` times; a table (``"dion"``, an ``(n, 3)``
+    array) runs its ``n`` rows, one per step, where ``ns_steps >= n`` (optax's rule)."""
     try:
         steps = operator.index(ns_steps)
     except TypeError as e:
@@ -90,13 +85,6 @@ def contrib_coefficients(ns_coeffs: Any, ns_steps: Any, where: str = "contrib_mu
     return rows
 
 
-class _Box:
-    """Holds one leaf's dimension numbers (or None) where a pytree must not look inside."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
 class _Split:
     """Per leaf: Muon or Adam, its dimension numbers, and whether it is decayed."""
 
@@ -111,9 +99,7 @@ class _Split:
         tree = self.spec(params) if callable(self.spec) else self.spec
         is_leaf = lambda x: x is None or is_dimension_numbers(x)  # noqa: E731
         try:
-            boxed = jax.tree.map(lambda d, sub: jax.tree.map(lambda _: _Box(d), sub),
-                                 tree, params, is_leaf=is_leaf)
-            dims = [b.value for b in treedef.flatten_up_to(boxed)]
+            dims = treedef.flatten_up_to(jax.tree.broadcast(tree, params, is_leaf=is_leaf))
         except (ValueError, TypeError) as e:
             raise ValueError(
                 "contrib_muon: muon_weight_dimension_numbers must be a tree with the params' "
@@ -127,21 +113,16 @@ class _Split:
                 and block_counts(d) == (1, 1) else d for x, d in zip(leaves, dims)]
 
     def decayed(self, params: Any, dims: list[Any]) -> list[bool]:
-        """Per leaf: True where the Muon weight decay applies (``weight_decay_mask``).
-
-        As optax: the mask (or the callable's result on the params with Adam leaves
-        replaced by ``optax.MaskedNode()``) is a tree of bools with the params'
-        structure or a prefix of it.
-        """
+        """Per leaf: True where the Muon weight decay applies. As optax, the mask (or the
+        callable's result on the params with ``optax.MaskedNode()`` at Adam leaves) is a
+        tree of bools with the params' structure or a prefix of it."""
         leaves, treedef = jax.tree.flatten(params)
         if self.mask is None:
             return [True] * len(leaves)
         masked = optax.MaskedNode()
-        view = treedef.unflatten([x if d is not None else masked
-                                  for x, d in zip(leaves, dims)])
+        view = treedef.unflatten([x if d is not None else masked for x, d in zip(leaves, dims)])
         mask = self.mask(view) if callable(self.mask) else self.mask
-        index = treedef.unflatten([i if d is not None else masked
-                                   for i, d in enumerate(dims)])
+        index = treedef.unflatten([i if d is not None else masked for i, d in enumerate(dims)])
         try:
             kept = jax.tree.map(lambda flag, sub: sub if flag else masked, mask, index)
         except (ValueError, TypeError) as e:
@@ -159,9 +140,8 @@ class _Split:
                 raise TypeError(f"contrib_muon: parameter {path_str(path)!r} is complex "
                                 f"({x.dtype}); muon_optax supports real parameters only.")
         dims = self.dims(params)
-        decayed = self.decayed(params, dims)
         return treedef.unflatten([ADAM if d is None else MUON if w else MUON_NO_DECAY
-                                  for d, w in zip(dims, decayed)])
+                                  for d, w in zip(dims, self.decayed(params, dims))])
 
     def reasons(self, params: Any) -> Any:
         """Why each leaf went where it did (for :func:`muon_optax.describe`)."""
@@ -178,13 +158,8 @@ class _Split:
 
 
 class Fixed:
-    """A default that ``optax.inject_hyperparams`` leaves as it is: it injects ints, floats
-    and arrays, and this is none of them. Equal to (and shown as) its number.
-
-    ``contrib_muon``'s ``ns_steps`` and ``eps`` shape its compiled program, so they must
-    be known when it traces: with these defaults, ``optax.inject_hyperparams(contrib_muon)``
-    works without ``static_args``, as it does for ``optax.contrib.muon``.
-    """
+    """A default that ``optax.inject_hyperparams`` leaves alone (it injects ints, floats and
+    arrays), equal to and shown as its number: see :func:`contrib_muon`."""
 
     __slots__ = ("value",)
 
@@ -246,30 +221,22 @@ def contrib_muon(
 ) -> optax.GradientTransformationExtraArgs:
     """``optax.contrib.muon`` on muon_optax's engine: a drop-in with the same updates.
 
-    Arguments as ``optax.contrib.muon`` (optax 0.2.8), with its names and defaults; see
-    its documentation and the module docstring for the rule. Differences:
+    Arguments as ``optax.contrib.muon`` (optax 0.2.8), with its names and defaults (the
+    rule: the module docstring). Differences: ``ns_coeffs`` also takes the presets
+    ``"quintic"`` (= ``"standard"``) and ``"polar_express"``; a table longer than
+    ``ns_steps``, ``ns_steps < 1`` and complex parameters are refused; the Newton-Schulz
+    iteration runs in float32 whatever the parameter dtype (optax: the momentum's).
 
-    - ``ns_coeffs``: also the presets ``"quintic"`` (= ``"standard"``) and
-      ``"polar_express"``; a table longer than ``ns_steps`` is refused with a message
-      that says so, and ``ns_steps < 1`` too;
-    - complex parameters are refused (optax supports them);
-    - the Newton-Schulz iteration runs in float32 whatever the parameter dtype (optax:
-      in the momentum's dtype).
+    Under ``optax.inject_hyperparams(contrib_muon)`` the numbers are injected as optax's
+    are, except ``ns_steps`` and ``eps`` at their defaults (they fix the program, so it
+    works without ``static_args``, as for optax's); given explicitly, pass them in
+    ``static_args`` (as optax's tests do for ``ns_steps``), as ``consistent_rms`` and an
+    array ``ns_coeffs``.
 
-    And the engine's additions:
-
-    Args:
-      axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw`:
-        ZeRO-2 inside your ``jax.shard_map`` (``axis_name``), or plain ``jax.jit``
-        with params laid out over ``mesh`` in any way (FSDP, tensor parallel, ...).
-      max_grad_norm, skip_nonfinite: clipping of the mean gradient and skipped non-finite
-        steps, as in :func:`muon_optax.muon_adamw`.
-
-    Under ``optax.inject_hyperparams(contrib_muon)`` the numbers are injected as
-    optax's are, except those that fix the program: ``ns_steps`` and ``eps`` by default
-    are not injected (their defaults are not plain numbers); given explicitly, pass them
-    in ``static_args`` (optax's own tests do so for ``ns_steps``), as ``consistent_rms``
-    and an array ``ns_coeffs``.
+    Args (the engine's additions):
+      axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
+        :func:`muon_optax.muon_adamw`: sharding (ZeRO-2 inside your ``jax.shard_map``, or
+        ``mesh`` with params laid out in any way), clipping and skipped non-finite steps.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -281,8 +248,7 @@ def contrib_muon(
     ns_coeffs = static_number(ns_coeffs, "ns_coeffs")
     if isinstance(ns_coeffs, (jax.Array, np.ndarray)):
         ns_coeffs = np.asarray(ns_coeffs).tolist()
-    if consistent_rms is not None:
-        consistent_rms = static_number(consistent_rms, "consistent_rms")
+    consistent_rms = static_number(consistent_rms, "consistent_rms")
     coeffs = contrib_coefficients(ns_coeffs, ns_steps, where)
     check_preconditioning(preconditioning, where, CONTRIB_PRECONDITIONINGS)
     muon_cfg = ContribConfig.make(
@@ -294,8 +260,7 @@ def contrib_muon(
         MUON: muon_cfg,
         ADAM: AdamWConfig.make(adam_lr, (adam_b1, adam_b2), eps, adam_weight_decay,
                                where=f"{where} (its Adam)", eps_root=adam_eps_root,
-                               nesterov=nesterov, mu_dtype=mu_dtype,
-                               optax_ema=True)}
+                               nesterov=nesterov, mu_dtype=mu_dtype, optax_ema=True)}
     if weight_decay_mask is not None:
         configs[MUON_NO_DECAY] = dataclasses.replace(muon_cfg, weight_decay=0.0)
     check_owner_args(axis_name, mesh, where)
@@ -303,10 +268,8 @@ def contrib_muon(
     tx = build(configs, split.labels, dimension_numbers=split.dimension_numbers,
                axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where,
                max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
-    inner = tx.update
 
-    def update(updates, state, params=None, **extra_args):
-        del extra_args  # optax's muon takes and ignores them
-        return inner(updates, state, params)
+    def update(updates, state, params=None, **extra_args):  # extra_args ignored, as optax's
+        return tx.update(updates, state, params)
 
     return optax.GradientTransformationExtraArgs(tx.init, update)

@@ -1,6 +1,5 @@
 """The public constructors: nanochat's MuonAdamW, and Muon and AdamW alone, all the same
-engine with different groups (so they shard alike and their states have one form).
-"""
+engine with other groups (so they shard alike and their states have one form)."""
 
 from __future__ import annotations
 
@@ -34,19 +33,6 @@ def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
     return optax.GradientTransformation(Init(init_fn, opts), update_fn)
 
 
-def _refuse_injection(small_param_threshold: Any) -> None:
-    """``optax.inject_hyperparams(muon_adamw)`` finds only ``small_param_threshold`` to
-    inject (as an array): say what to do instead."""
-    if isinstance(small_param_threshold, jax.Array):
-        raise TypeError(
-            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
-            "hyperparameters live in the groups dict, which it leaves alone (it took "
-            "small_param_threshold for one). Schedule a group's values instead: every scalar "
-            "of a group may be an optax schedule, e.g. dict(kind='muon', "
-            "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
-            "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
-
-
 def muon_adamw(
     groups: Mapping[str, Mapping[str, Any]],
     param_labels: Any,
@@ -63,52 +49,51 @@ def muon_adamw(
 
     Args:
       groups: group name -> a dict in nanochat's ``param_groups`` format without
-        ``params``: ``dict(kind="adamw", lr, betas, eps, weight_decay)`` or
-        ``dict(kind="muon", lr, momentum, ns_steps, beta2, weight_decay)``. Only ``lr``
-        is required; the rest default as in :func:`muon_optax.adamw` and
-        :func:`muon_optax.muon`, whose other options Muon groups also take
-        (``row_equilibration``, ``renormalize``, ``compute_dtype``, ``polar_method``,
-        ``ns_coeffs``, ``nesterov``, ``normuon``, ``cautious``, ``preconditioning``,
-        ``mu_dtype``). Every scalar may be an optax schedule of the step count.
+        ``params`` (``rule/hparams.py``): ``kind="adamw"`` or ``"muon"``, ``lr``, and
+        optionally the hyperparameters (and Muon's options) of :func:`muon_optax.adamw`
+        or :func:`muon_optax.muon`, with their defaults. Every scalar may be a schedule.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
-      dimension_numbers: a Muon leaf's input (``reduction_axis``) and output
-        (``output_axis``) axes, and blocks, as :class:`muon_optax.MuonDimensionNumbers`:
-        one for all, a tree of them, or a callable. Default: the last two axes are ``(in,
-        out)`` (Flax), leading axes batch (a scanned ``(L, in, out)`` is L matrices).
-        PyTorch layout: ``MuonDimensionNumbers(reduction_axis=1, output_axis=0)``.
-      axis_name: the mesh axis (or a tuple of axes) whose devices own the Muon matrices.
-        Without ``mesh``, ZeRO-2 inside your ``jax.shard_map``: ``init`` and ``update``
-        run there, the params whole on every device, and ``update`` takes each device's
-        own, unreduced gradients (see :func:`muon_optax.state_specs`).
-      mesh: with ``axis_name``, for plain ``jax.jit`` train steps (no ``shard_map`` of
-        your own). The params may be laid out over the mesh in any way (replicated,
-        FSDP, tensor parallel, 2-D): each Muon matrix moves whole to the device that owns
-        it and its direction moves back (all-to-all), AdamW params are updated where they
-        lie, and the state is split over ``axis_name``. The gradients are the usual
-        (already averaged) ones.
+      dimension_numbers: a Muon leaf's input and output axes (and blocks), as
+        :class:`muon_optax.MuonDimensionNumbers`: one for all, a tree, or a callable.
+        Default: the last two axes ``(in, out)`` (Flax), leading axes batch (a scanned
+        ``(L, in, out)`` is L matrices); PyTorch's: ``(reduction_axis=1, output_axis=0)``.
+      axis_name: the mesh axis (or tuple of axes) whose devices own the Muon matrices.
+        Without ``mesh``: ZeRO-2 inside your ``jax.shard_map``, where ``init`` and
+        ``update`` run, the params whole on every device, and ``update`` takes each
+        device's own, unreduced gradients (see :func:`muon_optax.state_specs`).
+      mesh: with ``axis_name``, for plain ``jax.jit`` steps. The params may be laid out in
+        any way (replicated, FSDP, tensor parallel, 2-D): each Muon matrix moves whole to
+        its owner and its direction back (all-to-all), AdamW params update where they
+        lie, the state is split over ``axis_name``; the gradients are the usual
+        (averaged) ones.
       param_specs: with ``mesh``, the params' layouts: a tree of ``PartitionSpec`` or
-        ``NamedSharding`` (``nnx.Variable`` boxes accepted, e.g.
-        ``nnx.get_partition_spec(state)``), a callable params -> such a tree, or one
-        ``PartitionSpec`` for all (``P()``: replicated). Needed only under ``jax.jit`` on
-        ``AxisType.Auto`` axes (no layouts in the types) when ``init`` was not called
-        eagerly on the placed params (its state records them); else tracing raises.
+        ``NamedSharding`` (``nnx.Variable`` boxes accepted), a callable params -> such a
+        tree, or one ``PartitionSpec`` for all. Needed only under ``jax.jit`` on
+        ``AxisType.Auto`` axes when ``init`` was not called eagerly on the placed params
+        (its state records them); else tracing raises.
       small_param_threshold: under ``axis_name``, AdamW params whole on every device with
         fewer elements are all-reduced and replicated instead of split.
-      max_grad_norm: scale the mean gradient ``g`` by ``min(1, max_grad_norm / ||g||)``,
-        its norm over all leaves: ``optax.clip_by_global_norm`` on one device fed the
-        global batch, in every mode (chained before the ZeRO-2 form, it would see one
-        device's gradient). None: no clipping.
+      max_grad_norm: scale the mean gradient ``g`` by ``min(1, max_grad_norm / ||g||)``
+        (norm over all leaves; None: no clipping), as ``optax.clip_by_global_norm`` on the
+        global batch, in every mode (chained before ZeRO-2, it would see one device's).
       skip_nonfinite: a step whose mean gradient has a NaN or inf returns zero updates and
-        the state unchanged (``count`` too) on every device alike; ``state.skipped``
-        counts such steps (in a chain, read it from this transformation's part, e.g.
-        ``state[1].skipped``).
+        the state unchanged (``count`` too) on every device; ``state.skipped`` counts
+        such steps (in a chain, in this transformation's part: ``state[1].skipped``).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`MuonAdamWState`. ``update``
-      needs ``params``.
+      An ``optax.GradientTransformation`` with :class:`MuonAdamWState`; ``update`` needs
+      ``params``.
     """
-    _refuse_injection(small_param_threshold)
+    if isinstance(small_param_threshold, jax.Array):
+        # optax.inject_hyperparams(muon_adamw) finds this argument only: say what to do.
+        raise TypeError(
+            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
+            "hyperparameters live in the groups dict, which it leaves alone (it took "
+            "small_param_threshold for one). Schedule a group's values instead: every scalar "
+            "of a group may be an optax schedule, e.g. dict(kind='muon', "
+            "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
+            "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
     configs = parse_groups(groups)
     check_owner_args(axis_name, mesh, "muon_adamw")
     if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
@@ -143,8 +128,8 @@ def muon(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
-    """Muon on every leaf (each must have two or more axes), as nanochat computes it, alone
-    or inside ``optax.partition``; :func:`muon_optax.muon_adamw`'s Muon groups alike.
+    """Muon on every leaf (each of two or more axes) as nanochat computes it, alone or
+    inside ``optax.partition``; :func:`muon_optax.muon_adamw`'s Muon groups alike.
 
     Args:
       lr: learning rate; a matrix with more rows than columns (out > in) gets
@@ -154,34 +139,27 @@ def muon(
       beta2: decay rate of NorMuon's factored second moment.
       weight_decay: cautious decoupled weight decay, multiplied by ``lr``.
       row_equilibration: MuonEq row scaling before the polar iteration.
-      renormalize: Muon+ rescaling of the polar factor to Frobenius norm
-        ``sqrt(min(R, C))``.
+      renormalize: Muon+ rescaling of the polar factor to norm ``sqrt(min(R, C))``.
       compute_dtype: dtype of the polar iteration; default float32 on CPU, bfloat16 on
         accelerators.
-      polar_method: ``"auto"`` (default) runs the last polar steps of a float32
-        rectangular matrix in Gram space where that saves FLOPs (1.3x fewer for 4:1; the
-        same polynomial within float32 accuracy); ``"direct"``: every step as the rule
-        writes it; ``"gram"`` forces Gram space (:func:`muon_optax.rule.polar.polar_express`).
-      dimension_numbers: ``MuonDimensionNumbers`` (or a tree of them, or a callable
-        params -> tree); default: last two axes ``(in, out)``, leading axes batch.
-      ns_coeffs: the polynomial of each iteration: ``"polar_express"`` (default; the
-        first ``ns_steps`` of its five triples), ``"quintic"`` (Keller Jordan's
-        ``(3.4445, -4.7750, 2.0315)`` every step; then ``ns_steps`` may exceed 5), a
-        triple ``(a, b, c)`` (every step), or an ``(n, 3)`` table (its first
-        ``ns_steps`` rows; ``n >= ns_steps``).
-      nesterov: Nesterov momentum ``lerp(g, buf, momentum)`` (default); False: the
-        buffer itself.
+      polar_method: ``"auto"``: a float32 rectangular matrix's last polar steps in Gram
+        space where that saves FLOPs (``rule/polar.py``); ``"direct"``: every step as
+        written; ``"gram"``: Gram space.
+      dimension_numbers: as in :func:`muon_optax.muon_adamw`.
+      ns_coeffs: each iteration's polynomial: ``"polar_express"`` (default; the first
+        ``ns_steps`` of its five triples), ``"quintic"`` (Keller Jordan's ``(3.4445,
+        -4.7750, 2.0315)`` every step; any ``ns_steps``), a triple ``(a, b, c)`` (every
+        step), or an ``(n, 3)`` table (its first ``ns_steps`` rows).
+      nesterov: Nesterov momentum ``lerp(g, buf, momentum)`` (default); False: the buffer.
       normuon: NorMuon's variance reduction (default on).
       cautious: weight decay only where the update and the weight agree in sign
         (default); False: plain decoupled decay ``-lr_eff wd P``.
-      preconditioning: ``"basin"`` (default: ``X / (1.01 ||X||_F + 1e-6)``, after
-        MuonEq) or ``"aol"`` (Turbo-Muon's row scaling folded into the first iteration;
-        it may allow one iteration fewer); also optax's ``"frobenius"``,
-        ``"spectral"``, ``"schatten"``.
+      preconditioning: ``"basin"`` (``X / (1.01 ||X||_F + 1e-6)``, after MuonEq), ``"aol"``
+        (Turbo-Muon's row scaling in the first iteration; may save one), or optax's
+        ``"frobenius"``, ``"spectral"``, ``"schatten"``.
       mu_dtype: dtype of the momentum buffer (default: the parameter's).
       axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
-        :func:`muon_optax.muon_adamw` (inside ``optax.partition``, clipping and the
-        non-finite check see only this partition's leaves).
+        :func:`muon_optax.muon_adamw` (in ``optax.partition``, seeing its leaves only).
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
@@ -209,7 +187,7 @@ def adamw(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
-    """AdamW on every leaf, with nanochat's hyperparameter names, alone or inside
+    """AdamW on every leaf with nanochat's hyperparameter names, alone or inside
     ``optax.partition`` (:func:`muon_optax.muon_adamw`'s AdamW groups alike). Each scalar
     may be an optax schedule.
 
@@ -218,10 +196,9 @@ def adamw(
       betas: ``(b1, b2)``, the decay rates of the first and second moments.
       eps: added to the root of the second moment.
       weight_decay: decoupled decay, multiplied by ``lr``; needs ``params`` in ``update``.
-      axis_name, mesh, param_specs: sharding, as in :func:`muon_optax.muon_adamw` (no
-        numeric options here, so that ``optax.inject_hyperparams`` sees only the
-        hyperparameters).
-      max_grad_norm, skip_nonfinite: as in :func:`muon_optax.muon_adamw`.
+      axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
+        :func:`muon_optax.muon_adamw` (no ``small_param_threshold``: then
+        ``optax.inject_hyperparams`` sees only the hyperparameters).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.

@@ -8,12 +8,10 @@ The rule, per matrix ``P`` of shape ``(out, in)``, gradient ``g`` (torch's defau
     P   = P - lr wd P - lr s O                  s = sqrt(max(1, out / in))   ("original")
                                                 s = 0.2 sqrt(max(out, in))   ("match_rms_adamw")
 
-It maps onto one :class:`~muon_optax.rule.contrib.ContribConfig` without ``adam``:
-nanochat's momentum (the same lerps), the Frobenius preconditioning and the
-``consistent_rms`` scale for ``"match_rms_adamw"``. Two differences from torch, both
-within its own rounding: torch divides by ``max(||U||_F, eps)`` (the same unless
-``||U||_F`` is near ``eps``), and it always runs the iteration in bfloat16 (here:
-``compute_dtype``).
+It maps onto a :class:`~muon_optax.rule.contrib.ContribConfig` without ``adam``: nanochat's
+momentum (the same lerps), Frobenius preconditioning, and ``consistent_rms`` for
+``"match_rms_adamw"``. Two differences, within torch's rounding: torch divides by
+``max(||U||_F, eps)`` and always iterates in bfloat16 (here: ``compute_dtype``).
 """
 
 from __future__ import annotations
@@ -38,13 +36,6 @@ ADJUST_LR_FNS = {None: None, "original": None, "match_rms_adamw": 0.2}
 PYTORCH_LAYOUT = MuonDimensionNumbers(reduction_axis=-1, output_axis=-2)
 
 _WHERE = "torch_muon"
-
-
-def _non_negative(value: Any, name: str) -> None:
-    """torch refuses negative numbers here; a schedule or an array is taken as is."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and not value >= 0:
-        raise ValueError(f"{_WHERE}: {name}={value!r}; it must be >= 0 (torch.optim.Muon "
-                         "refuses it too).")
 
 
 def _coefficients(ns_coefficients: Any, ns_steps: Any) -> tuple[tuple[float, float, float], ...]:
@@ -95,26 +86,21 @@ def torch_muon(
 ) -> optax.GradientTransformation:
     """``torch.optim.Muon`` on muon_optax's engine: its arguments, names and defaults.
 
-    Every leaf is a Muon matrix, in PyTorch's ``(out, in)`` layout (leading axes are
-    batch axes); give vectors and scalars to another optimizer (``optax.partition``), as
-    with torch. Arguments as ``torch.optim.Muon`` (see the module docstring for the rule):
+    Every leaf is a Muon matrix in PyTorch's ``(out, in)`` layout (leading axes batch);
+    give vectors and scalars to another optimizer (``optax.partition``), as with torch.
+    Arguments as ``torch.optim.Muon`` (the rule: the module docstring):
 
     Args:
       lr: learning rate, or an optax schedule of the step count (torch's LR schedulers).
-      weight_decay: decoupled decay ``P <- P - lr weight_decay P``, at the raw ``lr``
-        (not the shape-adjusted one).
-      momentum, nesterov: ``buf = lerp(buf, g, 1 - momentum)``; Nesterov's
-        ``lerp(g, buf, momentum)`` or the buffer itself.
-      ns_coefficients, ns_steps: the quintic's ``(a, b, c)``, run ``ns_steps`` times.
-      eps: added to the Frobenius norm before dividing by it.
-      adjust_lr_fn: ``None``/``"original"``: the step is ``lr sqrt(max(1, out / in))``;
-        ``"match_rms_adamw"``: ``0.2 lr sqrt(max(out, in))``.
+      weight_decay: decoupled decay at the raw ``lr`` (not the shape-adjusted one).
+      momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn: as in the rule
+        above (``None`` is ``"original"``).
 
     And the engine's additions (as in :func:`muon_optax.muon`):
 
     Args:
-      dimension_numbers: the matrix axes, ``MuonDimensionNumbers`` (a tree of them or a
-        callable; blocks allowed); default ``(reduction_axis=-1, output_axis=-2)``.
+      dimension_numbers: ``MuonDimensionNumbers`` (a tree of them or a callable; blocks
+        allowed); default ``(reduction_axis=-1, output_axis=-2)``.
       compute_dtype: dtype of the Newton-Schulz iteration; default float32 on CPU,
         bfloat16 on accelerators (torch: always bfloat16).
       axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
@@ -129,15 +115,16 @@ def torch_muon(
                          "(lr sqrt(max(1, out / in))) or 'match_rms_adamw' "
                          "(0.2 lr sqrt(max(out, in))).")
     for value, name in ((lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")):
-        _non_negative(value, name)
-    coeffs = _coefficients(ns_coefficients, ns_steps)
+        # as torch, refuse negative numbers (a schedule or an array is taken as is)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and not value >= 0:
+            raise ValueError(f"{_WHERE}: {name}={value!r}; it must be >= 0 (torch.optim.Muon "
+                             "refuses it too).")
     cfg = ContribConfig.make(
-        lr, momentum, weight_decay, coeffs, eps=eps, nesterov=nesterov,
-        compute_dtype=compute_dtype, adam=False, consistent_rms=ADJUST_LR_FNS[adjust_lr_fn],
-        where=_WHERE)
+        lr, momentum, weight_decay, _coefficients(ns_coefficients, ns_steps), eps=eps,
+        nesterov=nesterov, compute_dtype=compute_dtype, adam=False,
+        consistent_rms=ADJUST_LR_FNS[adjust_lr_fn], where=_WHERE)
     check_owner_args(axis_name, mesh, _WHERE)
-    return build({"muon": cfg}, _labels,
-                 dimension_numbers=PYTORCH_LAYOUT if dimension_numbers is None
-                 else dimension_numbers,
+    dimension_numbers = PYTORCH_LAYOUT if dimension_numbers is None else dimension_numbers
+    return build({"muon": cfg}, _labels, dimension_numbers=dimension_numbers,
                  axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=_WHERE,
                  max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)

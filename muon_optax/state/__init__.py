@@ -1,2 +1,1 @@
-"""States in and out: ``tx.init`` and the state inside optax wrappers, portable export
-and import, optax.contrib.muon's state."""
+"""States in and out: ``tx.init``, states in optax wrappers, portable and optax states."""

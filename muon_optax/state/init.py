@@ -1,7 +1,5 @@
-"""``tx.init``, carrying the options that ``state_specs``, ``describe``, ``estimate`` and
-the portable state read; inside an optax wrapper it answers the wrapper's search for
-muon_optax's state (:mod:`muon_optax.state.wrapped`).
-"""
+"""``tx.init``, carrying the options that ``state_specs``, ``describe``, ``estimate`` and the
+portable state read; in an optax wrapper it answers ``state/wrapped.py``'s search."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ class Init:
         if missing:
             raise ValueError(f"state_specs: the mesh has axes {tuple(mesh.shape)}, not "
                              f"{missing[0]!r}.")
-        axes = tuple((a, mesh.shape[a]) for a in opts.axes)
-        return state_partition_specs(tree_plan(opts, params, axes), opts.axes,
-                                     skipped=opts.skip_nonfinite)
+        plan = tree_plan(opts, params, tuple((a, mesh.shape[a]) for a in opts.axes))
+        return state_partition_specs(plan, opts.axes, skipped=opts.skip_nonfinite)
 
     def __call__(self, params: Any) -> MuonAdamWState:
         rec = recorder()
@@ -54,11 +51,10 @@ class Init:
                                    self.options.skip_nonfinite)
 
     def plan(self, params: Any, num_devices: int | None = None, state: Any = None) -> TreePlan:
-        """The static plan of ``params`` (for ``num_devices`` devices along one owner
-        axis, or the mesh's owner axes; ``state``: one made for them, whose layout says
-        how traced params on Auto axes are laid out)."""
-        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices),
-                         state)
+        """The static plan of ``params`` for ``num_devices`` devices along one owner axis,
+        or the mesh's owner axes (``state``: one made for them, whose layout says how
+        traced params on Auto axes are laid out)."""
+        return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices), state)
 
     def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
         """Which matrices each stack holds and who owns them (inspection, benchmarks)."""
@@ -79,8 +75,8 @@ def global_state_shapes(plan: TreePlan, params: Any, skipped: bool = False) -> M
 
 
 def init_of(tx: Any, where: str, hint: str = "") -> Init:
-    """The :class:`Init` of a transformation this library built (its options, plan and
-    state layout), or an error saying what ``where`` needs instead (``hint``: how)."""
+    """The :class:`Init` of a transformation this library built, or an error saying what
+    ``where`` needs instead (``hint``: how)."""
     init = getattr(tx, "init", None)
     if not isinstance(init, Init):
         raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
@@ -97,15 +93,12 @@ def owner_axis_sizes(opts: Options, num_devices: int | None) -> tuple[tuple[str,
                              "it runs on one device.")
         return ()
     if num_devices is not None:
-        if len(opts.axes) > 1 and (opts.mesh is None or
-                                   num_devices != math.prod(opts.mesh.shape[a]
-                                                            for a in opts.axes)):
-            raise ValueError(f"{opts.name}: with several owner axes {opts.axes}, give the mesh "
-                             "(mesh=) rather than a device count.")
         if len(opts.axes) == 1:
             return ((opts.axes[0], int(num_devices)),)
+        if opts.mesh is None or num_devices != math.prod(opts.mesh.shape[a] for a in opts.axes):
+            raise ValueError(f"{opts.name}: with several owner axes {opts.axes}, give the mesh "
+                             "(mesh=) rather than a device count.")
     if opts.mesh is None:
         raise ValueError(f"{opts.name}: pass num_devices (this transformation runs inside "
                          "your own shard_map and does not know the mesh).")
     return tuple((a, opts.mesh.shape[a]) for a in opts.axes)
-

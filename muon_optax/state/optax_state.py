@@ -1,26 +1,25 @@
 """``optax.contrib.muon``'s state in and out of :func:`muon_optax.contrib_muon`'s.
 
-optax keeps its Muon as ``optax.partition`` of two chains, so its state is
+optax's Muon is ``optax.partition`` of two chains, so its state is
 
     PartitionState({"muon": MaskedState((MuonState(count, mu, ns_coeffs), EmptyState(),
                                           <decay>, <lr>)),
                     "adam": MaskedState((ScaleByAdamState(count, mu, nu), EmptyState(),
                                           <lr>))})
 
-with ``MaskedNode()`` where a leaf belongs to the other side, ``<decay>`` an
-``EmptyState()`` (``MaskedState`` of one with ``weight_decay_mask``) and ``<lr>`` an
-``EmptyState()`` or, for a schedule, ``ScaleByScheduleState(count)``. The numbers are
-:func:`muon_optax.export_state`'s portable form under other names. What differs:
+with ``MaskedNode()`` at the other side's leaves, ``<decay>`` an ``EmptyState()`` (in a
+``MaskedState`` with ``weight_decay_mask``) and ``<lr>`` an ``EmptyState()`` or, for a
+schedule, ``ScaleByScheduleState(count)``. The numbers are
+:func:`muon_optax.export_state`'s portable form under other names, except:
 
-- optax counts steps in each part; muon_optax keeps one, so differing counts are refused.
-- ``MuonState.ns_coeffs`` must be the coefficients ``tx`` runs.
-- what optax's state does not show cannot be checked: ``adaptive``, ``preconditioning``,
-  ``beta``, ``eps``, ``consistent_rms``, the decay and Adam numbers.
-- a ``skip_nonfinite`` count of skipped steps has no place in optax's: an export drops
-  it, an import starts it at 0.
+- optax counts steps in each part; muon_optax keeps one, so differing counts are refused;
+- ``MuonState.ns_coeffs`` must be the coefficients ``tx`` runs;
+- what optax's state does not show is not checked (``adaptive``, ``preconditioning``,
+  ``beta``, ``eps``, ``consistent_rms``, the decay and Adam numbers);
+- ``skip_nonfinite``'s count has no place there: an export drops it, an import starts at 0.
 
 In a wrapper (``optax.chain``, ``optax.inject_hyperparams``, ...) the conversion replaces
-the wrapped state's subtree and keeps the wrapper's own part as it is.
+the wrapped state's subtree and keeps the wrapper's own part.
 """
 
 from __future__ import annotations
@@ -41,35 +40,29 @@ from muon_optax.step.state import MuonAdamWState
 
 # The groups contrib_muon builds: its Muon leaves with and without weight decay, and Adam.
 MUON, MUON_NO_DECAY, ADAM = "muon", "muon_no_decay", "adam"
-_SIDES = ("adam", "muon")
 
 
 def is_optax_muon_state(x: Any) -> bool:
     """Whether ``x`` is the state of one ``optax.contrib.muon`` (its ``PartitionState``)."""
     return (isinstance(x, PartitionState) and isinstance(x.inner_states, dict)
-            and sorted(x.inner_states) == list(_SIDES))
+            and sorted(x.inner_states) == ["adam", "muon"])
 
 
 def holds_optax_muon_state(tree: Any) -> bool:
     """Whether ``optax.contrib.muon``'s state is ``tree`` or inside it."""
-    return any(is_optax_muon_state(x)
-               for x in jax.tree.leaves(tree, is_leaf=is_optax_muon_state))
-
-
-def _check_contrib(init: Any, where: str) -> None:
-    opts = init.options
-    if opts.name != "contrib_muon" or not set(opts.configs) <= {MUON, MUON_NO_DECAY, ADAM}:
-        raise TypeError(f"{where}: optax.contrib.muon's state belongs to "
-                        "muon_optax.contrib_muon (its rule and groups); this is "
-                        f"muon_optax.{opts.name}. Build the transformation with "
-                        "muon_optax.contrib_muon and the optax run's arguments.")
+    return any(is_optax_muon_state(x) for x in jax.tree.leaves(tree, is_leaf=is_optax_muon_state))
 
 
 def _inner(tx: Any, params: Any, where: str) -> tuple[Any, Any, Any]:
     """``(tx, params)`` of the one contrib_muon inside ``tx`` (itself, or in a chain or
     wrapper), and the shape structs of ``tx``'s whole state (no init is called)."""
     def shapes_of(init, seen):
-        _check_contrib(init, where)
+        opts = init.options
+        if opts.name != "contrib_muon" or not set(opts.configs) <= {MUON, MUON_NO_DECAY, ADAM}:
+            raise TypeError(f"{where}: optax.contrib.muon's state belongs to "
+                            "muon_optax.contrib_muon (its rule and groups); this is "
+                            f"muon_optax.{opts.name}. Build the transformation with "
+                            "muon_optax.contrib_muon and the optax run's arguments.")
         return init.global_shapes(seen)
 
     found, shapes = locate(tx, params, shapes_of)
@@ -89,21 +82,15 @@ def _decay_schedule() -> type:
     return type(optax.add_decayed_weights(lambda count: 0.0).init(None))
 
 
-def _coeff_rows(tx: Any) -> np.ndarray:
-    return np.asarray(tx.init.configs[MUON].coeffs, np.float32)
-
-
 def _rest(tx: Any, count: Any) -> dict[str, tuple[tuple[str, Any], ...]]:
     """Per side of optax's partition, what its chain keeps after the moments, named by
     the argument that decides it: ``(argument, state)``."""
-    configs = tx.init.configs
-
     def counted(value: Any, state_type: Any) -> Any:
         return state_type(count=count) if callable(value) else optax.EmptyState()
 
-    muon, adam = configs[MUON], configs[ADAM]
+    muon, adam = tx.init.configs[MUON], tx.init.configs[ADAM]
     decay = counted(muon.weight_decay, _decay_schedule())
-    if MUON_NO_DECAY in configs:
+    if MUON_NO_DECAY in tx.init.configs:
         decay = MaskedState(decay)
     return {"muon": (("scale_by_shape", optax.EmptyState()),
                      ("weight_decay, weight_decay_mask", decay),
@@ -123,9 +110,9 @@ def _describe(state: Any) -> str:
     return text
 
 
-def _check_structure(tx: Any, state: PartitionState, where: str) -> list[tuple[str, Any]]:
-    """optax's state has the parts ``tx``'s arguments make, or an error naming the
-    argument that differs. Returns every step count it holds, named."""
+def _check(tx: Any, state: PartitionState, where: str) -> None:
+    """optax's state has the parts ``tx``'s arguments make, one step count and ``tx``'s
+    coefficients, or an error naming the argument that differs."""
     chains = {side: state.inner_states[side].inner_state for side in ("muon", "adam")}
     first = {"muon": optax.contrib.MuonState, "adam": optax.ScaleByAdamState}
     want = _rest(tx, jnp.int32(0))
@@ -145,26 +132,19 @@ def _check_structure(tx: Any, state: PartitionState, where: str) -> list[tuple[s
                     f"this contrib_muon {_describe(expected)}: pass the optax run's {name} "
                     "(a schedule's state counts its steps; a mask adds a MaskedState).")
             counts += [(f"{name} count", c) for c in jax.tree.leaves(given)]
-    return counts
-
-
-def _check_counts(counts: list[tuple[str, Any]], where: str) -> None:
     values = {name: int(c) for name, c in counts if not isinstance(c, jax.core.Tracer)}
     if len(set(values.values())) > 1:
         raise ValueError(f"{where}: the step counts in optax's state differ ({values}); "
                          "muon_optax keeps one count for all parameters. Was the state "
                          "assembled from several runs?")
-
-
-def _check_coeffs(tx: Any, ns_coeffs: Any, where: str) -> None:
+    ns_coeffs = chains["muon"][0].ns_coeffs
     if isinstance(ns_coeffs, jax.core.Tracer):
         return
     have = np.asarray(ns_coeffs, np.float32)
-    want = _coeff_rows(tx)
-    same = (have.shape == (3,) and (want == have).all()) or np.array_equal(have, want)
-    if not same:
+    runs = np.asarray(tx.init.configs[MUON].coeffs, np.float32)
+    if not ((have.shape == (3,) and (runs == have).all()) or np.array_equal(have, runs)):
         raise ValueError(f"{where}: the optax run's state holds ns_coeffs {have.tolist()}, "
-                         f"but contrib_muon runs {want.tolist()} (one row per "
+                         f"but contrib_muon runs {runs.tolist()} (one row per "
                          "Newton-Schulz step): pass the optax run's ns_coeffs and ns_steps.")
 
 
@@ -177,7 +157,6 @@ def _side(tree: Any, treedef: Any, paths: list[str], index: set[int], name: str,
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: optax's {name} does not have the params' structure; "
                          "was the state made for other params?") from e
-    out = []
     for i, x in enumerate(leaves):
         if isinstance(x, MaskedNode) != (i not in index):
             runs = "does not run" if isinstance(x, MaskedNode) else "runs"
@@ -185,12 +164,10 @@ def _side(tree: Any, treedef: Any, paths: list[str], index: set[int], name: str,
                 f"{where}: the optax run {runs} {kind} on {paths[i]!r} (its {name} shows it), "
                 "unlike this contrib_muon: pass the same muon_weight_dimension_numbers "
                 "(None: the 2-D leaves are Muon's, the others Adam's).")
-        out.append(None if isinstance(x, MaskedNode) else x)
-    return out
+    return [None if isinstance(x, MaskedNode) else x for x in leaves]
 
 
-def _check_dtypes(want: dict, portable: dict, params: Any, paths: list[str],
-                  where: str) -> None:
+def _check_dtypes(want: dict, portable: dict, params: Any, paths: list[str], where: str) -> None:
     treedef = jax.tree.structure(params)
     for name, optax_name in (("momentum", "MuonState.mu"), ("mu", "ScaleByAdamState.mu"),
                              ("nu", "ScaleByAdamState.nu")):
@@ -212,19 +189,16 @@ def to_portable(tx: Any, state: PartitionState, params: Any, where: str) -> dict
     """optax's state of ``tx``'s arguments as :func:`muon_optax.export_state`'s form."""
     from muon_optax.state.portable import export_state
 
-    counts = _check_structure(tx, state, where)
+    _check(tx, state, where)
     muon_state = state.inner_states["muon"].inner_state[0]
     adam_state = state.inner_states["adam"].inner_state[0]
-    _check_counts(counts, where)
-    _check_coeffs(tx, muon_state.ns_coeffs, where)
     opts = tx.init.options
     n = 1 if opts.axes is not None and opts.mesh is None else None
     want = jax.eval_shape(lambda s: export_state(tx, s, params, num_devices=n),
                           tx.init.global_shapes(params))
     treedef = jax.tree.structure(params)
     paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    muon_index = {i for i, x in enumerate(treedef.flatten_up_to(want["momentum"]))
-                  if x is not None}
+    muon_index = {i for i, x in enumerate(treedef.flatten_up_to(want["momentum"])) if x is not None}
     adam_index = set(range(len(paths))) - muon_index
     sides = {"momentum": (muon_state.mu, muon_index, "MuonState.mu", "Muon"),
              "mu": (adam_state.mu, adam_index, "ScaleByAdamState.mu", "Adam"),
@@ -248,7 +222,7 @@ def from_portable(tx: Any, portable: dict, params: Any) -> PartitionState:
         return treedef.unflatten([MaskedNode() if x is None else x
                                   for x in treedef.flatten_up_to(tree)])
 
-    rows = _coeff_rows(tx)
+    rows = np.asarray(tx.init.configs[MUON].coeffs, np.float32)
     ns_coeffs = jnp.asarray(rows[0] if len(rows) > 1 and (rows == rows[0]).all() else rows)
     rest = {side: tuple(part for _, part in parts) for side, parts in _rest(tx, count).items()}
     muon_chain = (optax.contrib.MuonState(count=count, mu=masked(portable["momentum"]),

@@ -1,23 +1,20 @@
 """Optimizer state that moves between device counts and sharding modes.
 
 The Muon state's flat per-device buffers depend on the device count, the owner plan and
-the params' layouts, and large AdamW moments may be padded. The portable form is the
+the params' layouts, and large AdamW moments may be padded. The portable form holds the
 same numbers per parameter, in the parameter's own layout:
 
     {"count": int32 scalar,
-     "mu": AdamW first moments  (params' structure; None at Muon leaves),
-     "nu": AdamW second moments (likewise),
-     "momentum": Muon momentum  (params' structure, leaf-shaped; None at AdamW leaves),
-     "second_moment": NorMuon second moment (leaf-shaped, the averaged side's axes of
-                       length 1; None at AdamW leaves; a leaf cut into blocks is shaped
-                       as its block view, one row or column per block, so it imports
-                       only into a transformation given the same blocks),
-     "skipped": int32 scalar, steps skipped for a non-finite gradient (only from a
-                transformation built with skip_nonfinite=True)}
+     "mu", "nu": AdamW moments (params' structure; None at Muon leaves),
+     "momentum": Muon momentum (params' structure, leaf-shaped; None at AdamW leaves),
+     "second_moment": NorMuon's, likewise, the averaged side's axes of length 1 (a leaf
+                       cut into blocks: its block view, so it imports only where given
+                       the same blocks),
+     "skipped": int32 scalar, steps skipped as non-finite (only with skip_nonfinite=True)}
 
-:func:`export_state` and :func:`import_state` are pure functions of global arrays
-(eager or under ``jax.jit``): a state written on N devices continues on M devices, in
-any mode, exactly as if uninterrupted.
+:func:`export_state` and :func:`import_state` are pure functions of global arrays (eager
+or under ``jax.jit``): a state written on N devices continues on M, in any mode, exactly
+as if uninterrupted.
 """
 
 from __future__ import annotations
@@ -44,36 +41,27 @@ from muon_optax.state.optax_state import (
 from muon_optax.state.wrapped import locate
 from muon_optax.step.collectives import pad_to
 from muon_optax.step.rows import member_rows
-from muon_optax.step.state import (
-    MuonAdamWState,
-    MuonBuffers,
-    check_state,
-    state_partition_specs,
-)
+from muon_optax.step.state import MuonAdamWState, MuonBuffers, check_state, state_partition_specs
 
 
-def _plan(tx: Any, params: Any, num_devices: int | None, where: str,
-          state: Any = None) -> TreePlan:
+def _plan(tx: Any, params: Any, num_devices: int | None, where: str, state: Any = None) -> TreePlan:
     init = init_of(tx, where, ": import the state of the one you wrapped and put it in the "
                    "wrapper's state (e.g. (optax.EmptyState(), state) for "
                    "optax.chain(optax.clip(1.0), tx))")
     opts = init.options
-    if opts.axes is None:
+    if opts.axes is None or opts.mesh is not None:
         num_devices = None
-    elif opts.mesh is None and num_devices is None:
+    elif num_devices is None:
         raise ValueError(f"{where}: this transformation runs inside your own shard_map and does "
                          "not know the device count: pass num_devices=.")
-    elif opts.mesh is not None:
-        num_devices = None
     return init.plan(params, num_devices, state)
 
 
 def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
-    """``(tx, state, params)`` of the one muon_optax transformation inside a chain or
-    wrapper (see :mod:`muon_optax.state.wrapped`); ``tx`` itself if it is one."""
+    """``(tx, state, params)`` of the one muon_optax transformation in a chain or wrapper
+    (``state/wrapped.py``), or of ``tx`` itself."""
     if isinstance(getattr(tx, "init", None), Init):
         return tx, state, params
-
     # The structure only: any device count will do.
     found, _ = locate(tx, params, lambda init, seen: init.global_shapes(seen))
     if len(found) != 1:
@@ -90,9 +78,8 @@ def _explicit_mesh(tx: Any, trees: Any) -> Any:
         if typed_spec(x, "") is not None:
             mesh = tx.init.options.mesh
             if mesh is None:
-                mesh = getattr(x, "sharding", None)
-                mesh = getattr(mesh, "mesh", None) or jax.typeof(x).sharding.mesh
-            return mesh
+                mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+            return mesh or jax.typeof(x).sharding.mesh
     return None
 
 
@@ -115,9 +102,8 @@ def _portable_specs(plan: TreePlan, skipped: bool) -> dict[str, Any]:
 
 
 def _second_shape(m: MatrixLeaf, sp: StackPlan) -> tuple[int, ...]:
-    """Leaf-shaped NorMuon statistics: the averaged side's axes have length 1 (both
-    sides, one unused number per matrix, for a group without NorMuon). With blocks,
-    shaped as the leaf's block view (one row or column of statistics per block)."""
+    """Leaf-shaped NorMuon statistics: the averaged side's axes of length 1 (both sides,
+    one unused number per matrix, without NorMuon); with blocks, the leaf's block view."""
     rows = m.in_axes if m.transposed else m.out_axes        # the stored rows' leaf axes
     cols = m.out_axes if m.transposed else m.in_axes
     if not sp.stack.config.normuon:
@@ -129,10 +115,9 @@ def _second_shape(m: MatrixLeaf, sp: StackPlan) -> tuple[int, ...]:
 
 def _muon_leaves(plan: TreePlan, bufs: dict, kind: str) -> dict[int, jax.Array]:
     """Each Muon leaf's momentum (or second moment), leaf-shaped, from the flat buffers."""
-    out = {}
+    out, momentum = {}, kind == "momentum"
     for k, sp in enumerate(plan.owner.stacks):
         st, key = sp.stack, sp.state_key
-        momentum = kind == "momentum"
         channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
         size = st.rows * st.cols if momentum else sp.second_size
         buf = bufs[key][0 if momentum else 1].reshape(plan.num_devices, -1)
@@ -155,12 +140,11 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
         or a chain or wrapper holding one (its part of the state is exported).
       state: its state, as global arrays (what ``init``/``update`` return under jit).
       params: the params (arrays or shape structs) the state belongs to.
-      num_devices: only for a transformation built with ``axis_name`` but no ``mesh``,
-        used inside your own ``shard_map``: the device count the state was made for
-        (default: read from the state).
+      num_devices: only for a transformation built with ``axis_name`` but no ``mesh``
+        (inside your own ``shard_map``): the state's device count (default: read from it).
       as_optax: for a :func:`muon_optax.contrib_muon` (alone or wrapped), return the
         state ``optax.contrib.muon`` with the same arguments (wrapped the same way) would
-        have, to continue the run on optax (see :mod:`muon_optax.state.optax_state`).
+        have, to continue the run on optax (``state/optax_state.py``).
     """
     if as_optax:
         return export_optax_state(tx, state, params, num_devices=num_devices)
@@ -169,24 +153,23 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     if num_devices is None and opts.mesh is None and opts.axes is not None:
         num_devices = _state_devices(tx, state, params)
     plan = _plan(tx, params, num_devices, "export_state", state)
-    _check(plan, state, params, "export_state", opts.skip_nonfinite)
+    check_state(plan, state, global_state_shapes(plan, params, opts.skip_nonfinite), "export_state")
     mesh = _explicit_mesh(tx, (state, params))
     if mesh is None:
-        return _export(plan, state, params)
+        return _export(plan, state)
     # Explicit mesh axes: slicing the sharded buffers needs XLA's freedom (auto axes);
     # the per-parameter arrays come out laid out like their params.
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                              _portable_specs(plan, state.skipped is not None),
                              is_leaf=lambda x: isinstance(x, P))
-    return jax.sharding.auto_axes(lambda s: _export(plan, s, params),
-                                  out_sharding=shardings)(state)
+    return jax.sharding.auto_axes(lambda s: _export(plan, s), out_sharding=shardings)(state)
 
 
 def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
     """The device count a ZeRO-2 state was made for: the owner axes' size in the mesh its
-    arrays lie on; else the count that gives its Muon buffers their sizes; else (AdamW
-    leaves only, traced) one device if that fits (their portable form is then the same
-    for any count)."""
+    arrays lie on; else the smallest count (a divisor of the first buffer's size) whose
+    plan gives its Muon buffers their sizes; else (AdamW leaves only, traced) one device
+    if that fits (their portable form is then the same for any count)."""
     axes = tx.init.options.axes
     for x in jax.tree.leaves(state):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
@@ -194,89 +177,63 @@ def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
                 and all(a in mesh.shape for a in axes):
             return int(np.prod([mesh.shape[a] for a in axes]))
     if state.muon:
-        return _devices_of_buffers(tx, state, params)
+        sizes = [int(np.size(x)) for b in state.muon for x in b]
+        for n in range(1, min(4096, sizes[0]) + 1):
+            if sizes[0] % n == 0:
+                plan = _plan(tx, params, n, "export_state")
+                if sizes == [n * c[key].length for key in plan.state_keys
+                             for c in (plan.owner.momentum, plan.owner.second)]:
+                    return n
+        raise ValueError("export_state: no device count up to 4096 lays out Muon buffers of "
+                         f"sizes {sizes} for these params: the state was made for other params "
+                         "or another optimizer; pass num_devices= if it is right.")
     try:
-        _check(_plan(tx, params, 1, "export_state"), state, params, "export_state",
-               tx.init.options.skip_nonfinite)
+        plan = _plan(tx, params, 1, "export_state")
+        check_state(plan, state, global_state_shapes(plan, params, tx.init.options.skip_nonfinite),
+                    "export_state")
     except ValueError as e:
         raise ValueError("export_state: this state's device count cannot be read from it "
                          "(no Muon leaves, traced arrays): pass num_devices=.") from e
     return 1
 
 
-def _devices_of_buffers(tx: Any, state: MuonAdamWState, params: Any,
-                        most: int = 4096) -> int:
-    """The device count ``N`` whose plan lays out Muon buffers of exactly these sizes
-    (each ``N * L``): the smallest that fits, trying the divisors of the first size."""
-    sizes = [int(np.size(x)) for b in state.muon for x in b]
-    for n in range(1, min(most, sizes[0]) + 1):
-        if sizes[0] % n:
-            continue
-        plan = _plan(tx, params, n, "export_state")
-        want = [n * c[key].length for key in plan.state_keys
-                for c in (plan.owner.momentum, plan.owner.second)]
-        if want == sizes:
-            return n
-    raise ValueError("export_state: no device count up to "
-                     f"{most} lays out Muon buffers of sizes {sizes} for these params: the "
-                     "state was made for other params or another optimizer; pass "
-                     "num_devices= if it is right.")
-
-
-def _export(plan: TreePlan, state: MuonAdamWState, params: Any) -> dict[str, Any]:
-    leaves = plan.treedef.flatten_up_to(params)
-    mu = [None] * len(leaves)
-    nu = [None] * len(leaves)
-    state_mu = plan.treedef.flatten_up_to(state.mu)
-    state_nu = plan.treedef.flatten_up_to(state.nu)
+def _export(plan: TreePlan, state: MuonAdamWState) -> dict[str, Any]:
+    state_mu, state_nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
+    mu, nu = {}, {}
     for a in plan.adamw:
         crop = tuple(slice(0, n) for n in a.shape)
         mu[a.index], nu[a.index] = state_mu[a.index][crop], state_nu[a.index][crop]
     bufs = dict(zip(plan.state_keys, state.muon))
-    momentum = _muon_leaves(plan, bufs, "momentum")
-    second = _muon_leaves(plan, bufs, "second")
-    unflat = plan.treedef.unflatten
-    out = {"count": state.count, "mu": unflat(mu), "nu": unflat(nu),
-           "momentum": unflat([momentum.get(i) for i in range(len(leaves))]),
-           "second_moment": unflat([second.get(i) for i in range(len(leaves))])}
+    tree = lambda at: plan.treedef.unflatten([at.get(i) for i in range(len(plan.paths))])  # noqa: E731
+    out = {"count": state.count, "mu": tree(mu), "nu": tree(nu),
+           "momentum": tree(_muon_leaves(plan, bufs, "momentum")),
+           "second_moment": tree(_muon_leaves(plan, bufs, "second"))}
     if state.skipped is not None:
         out["skipped"] = state.skipped
     return out
 
 
-def _check(plan: TreePlan, state: Any, params: Any, where: str, skipped: bool) -> None:
-    check_state(plan, state, global_state_shapes(plan, params, skipped), where)
-
-
-def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array],
-                 kind: str) -> jax.Array:
+def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array], kind: str) -> jax.Array:
     """The device-major ``(N * L,)`` buffer of one state key from leaf-shaped arrays."""
     momentum = kind == "momentum"
     channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
     dt = key[1] if momentum else key[0]
-    n = plan.num_devices
-    rows: list[list[jax.Array]] = [[] for _ in range(n)]
+    rows: list[list[jax.Array]] = [[] for _ in range(plan.num_devices)]
     for k in channel.stacks:
         sp = plan.owner.stacks[k]
-        st = sp.stack
         stored = []
-        for m in st.members:
+        for m in sp.stack.members:
             x = jnp.asarray(leaves[m.index], dt)
-            if momentum:
-                stored.append(m.to_stored(m.view(x)).reshape(m.batch, -1))
-            else:
-                stored.append(jnp.transpose(x, m.stored_perm).reshape(m.batch, -1))
+            x = m.to_stored(m.view(x)) if momentum else jnp.transpose(x, m.stored_perm)
+            stored.append(x.reshape(m.batch, -1))
         stored = jnp.concatenate(stored)
-        for d in range(n):
+        for d, row in enumerate(rows):
             mine = sp.slots[d][sp.slots[d] >= 0]
             if len(mine):
-                rows[d].append(stored[np.asarray(mine)].reshape(-1))
-    out = []
-    for r in rows:
-        used = sum(x.shape[0] for x in r)
-        r = r + [jnp.zeros(channel.length - used, dt)] if channel.length > used else r
-        out.append(jnp.concatenate(r) if r else jnp.zeros(0, dt))
-    return jnp.stack(out).reshape(-1)
+                row.append(stored[np.asarray(mine)].reshape(-1))
+    fill = [channel.length - sum(x.shape[0] for x in r) for r in rows]   # zeros at the end
+    return jnp.stack([jnp.concatenate(r + [jnp.zeros(f, dt)]) for r, f in zip(rows, fill)]
+                     ).reshape(-1)
 
 
 def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], params: Any,
@@ -288,7 +245,7 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     device count to make the state for (required there). ``portable`` may also be
     ``optax.contrib.muon``'s state (alone or wrapped) for ``tx`` a
     :func:`muon_optax.contrib_muon` with the same arguments, wrapped the same way
-    (:mod:`muon_optax.state.optax_state`).
+    (``state/optax_state.py``).
     """
     if holds_optax_muon_state(portable):
         return import_optax_state(tx, portable, params, num_devices=num_devices)
@@ -302,8 +259,7 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     skipped = tx.init.options.skip_nonfinite
     if mesh is None:
         state = _import(plan, portable, params, skipped)
-        if target is None or any(isinstance(x, jax.core.Tracer)
-                                 for x in jax.tree.leaves(state)):
+        if target is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
             return state
         specs = state_partition_specs(plan, tx.init.options.axes, skipped)
         return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(target, spec)),
@@ -324,30 +280,25 @@ def _elsewhere(x: Any, mesh: jax.sharding.Mesh | None) -> bool:
     return mesh is None or not set(x.devices()) <= set(mesh.devices.flat)
 
 
-def _import(plan: TreePlan, portable: dict[str, Any], params: Any,
-            skipped: bool) -> MuonAdamWState:
-    want = global_state_shapes(plan, params)
-    mu = [optax.MaskedNode()] * len(plan.paths)
-    nu = [optax.MaskedNode()] * len(plan.paths)
-    given_mu = plan.treedef.flatten_up_to(portable["mu"])
-    given_nu = plan.treedef.flatten_up_to(portable["nu"])
-    want_mu = plan.treedef.flatten_up_to(want.mu)
-    want_nu = plan.treedef.flatten_up_to(want.nu)
+def _import(plan: TreePlan, portable: dict[str, Any], params: Any, skipped: bool) -> MuonAdamWState:
+    want, flat = global_state_shapes(plan, params), plan.treedef.flatten_up_to
+    mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
+    given_mu, given_nu, want_mu, want_nu = (flat(t) for t in (portable["mu"], portable["nu"],
+                                                               want.mu, want.nu))
     for a in plan.adamw:
         pad = want_mu[a.index].shape
         mu[a.index] = pad_to(jnp.asarray(given_mu[a.index], want_mu[a.index].dtype), pad)
         nu[a.index] = pad_to(jnp.asarray(given_nu[a.index], want_nu[a.index].dtype), pad)
-    momentum = dict(enumerate(plan.treedef.flatten_up_to(portable["momentum"])))
-    second = dict(enumerate(plan.treedef.flatten_up_to(portable["second_moment"])))
+    momentum = dict(enumerate(flat(portable["momentum"])))
+    second = dict(enumerate(flat(portable["second_moment"])))
     muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum").reshape(
                                  w.momentum.shape),
                              _flat_buffer(plan, key, second, "second").reshape(
                                  w.second_moment.shape))
                  for key, w in zip(plan.state_keys, want.muon))
     skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
-    return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32),
-                          plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon, skips,
-                          want.layout)
+    return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32), plan.treedef.unflatten(mu),
+                          plan.treedef.unflatten(nu), muon, skips, want.layout)
 
 
 def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
@@ -359,10 +310,8 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
                          f"with keys {sorted(keys)} (and 'skipped').")
     leaves = plan.treedef.flatten_up_to(params)
     muon = {m.index: m for m in plan.muon}
-    second_of = {}
-    for sp in plan.owner.stacks:
-        for m in sp.stack.members:
-            second_of[m.index] = _second_shape(m, sp)
+    second_of = {m.index: _second_shape(m, sp) for sp in plan.owner.stacks
+                 for m in sp.stack.members}
     for name in ("mu", "nu", "momentum", "second_moment"):
         try:
             given = plan.treedef.flatten_up_to(portable[name])
@@ -370,8 +319,7 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
             raise ValueError(f"import_state: portable[{name!r}] does not have the params' "
                              "structure; was it exported for other params?") from e
         for i, (path, x, g) in enumerate(zip(plan.paths, leaves, given)):
-            wanted_here = (i in muon) == (name in ("momentum", "second_moment"))
-            if not wanted_here:
+            if (i in muon) != (name in ("momentum", "second_moment")):
                 if g is not None:
                     raise ValueError(f"import_state: {name} of {path!r} is given, but the "
                                      "parameter is in another kind of group now: the groups "

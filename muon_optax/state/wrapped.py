@@ -1,9 +1,9 @@
 """Finding muon_optax's state inside optax wrappers and chains.
 
-``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``masked`` and the like keep
-the state they wrap somewhere in their own and expose nothing else. So the wrapper's
-``init`` is traced abstractly while muon_optax's ``init`` answers with placeholder arrays
-it remembers: where those land in the wrapper's state is where muon_optax's state is.
+``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``masked`` and the like keep the
+state they wrap somewhere in theirs and expose nothing else. So the wrapper's ``init`` is
+traced abstractly while muon_optax's answers with placeholder arrays it remembers: where
+those land in the wrapper's state is where muon_optax's state is.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ _RECORDER: contextvars.ContextVar = contextvars.ContextVar("muon_optax_recorder"
 
 
 class Found(NamedTuple):
-    """One muon_optax transformation inside a wrapper. Its state is a subtree of the
-    wrapper's, so its leaves are ``start .. start + n`` of the wrapper state's leaves."""
+    """One muon_optax transformation inside a wrapper: its state is leaves ``start ..
+    start + n`` of the wrapper's state."""
 
     init: Any          # its ``Init`` (options, plan, state specs)
     params: Any        # the params it was given (a wrapper may mask some)
@@ -29,9 +29,8 @@ class Found(NamedTuple):
     n: int
 
     def part(self, state: Any) -> Any:
-        """Its state, out of the wrapper's ``state``: the subtree itself where it is found
-        (its static parts, such as the layout it was made for, are the state's own), else
-        rebuilt from its leaves."""
+        """Its state, out of the wrapper's ``state``: the subtree itself where found (with
+        its static parts, such as its layout), else rebuilt from its leaves."""
         kind = type(jax.tree.unflatten(self.treedef, [None] * self.n))
         at = 0
         for sub in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)):
@@ -48,8 +47,7 @@ class _Recorder:
         self.calls: list[tuple[Any, Any, Any]] = []
 
     def record(self, init: Any, params: Any) -> Any:
-        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             self.shapes_of(init, params))
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes_of(init, params))
         self.calls.append((init, params, state))
         return state
 
@@ -61,10 +59,8 @@ def recorder() -> _Recorder | None:
 
 def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
     """The muon_optax transformations inside ``tx`` and where their states lie, and the
-    shape structs of ``tx``'s whole state.
-
-    ``shapes_of(init, params)``: the shape structs each answers with (global shapes, say).
-    """
+    shape structs of ``tx``'s whole state; ``shapes_of(init, params)``: the shape structs
+    each answers with (global shapes, say)."""
     rec = _Recorder(shapes_of)
     token = _RECORDER.set(rec)
     found: list[Found] = []
@@ -90,15 +86,14 @@ def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
 def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
     """PartitionSpecs of ``tx``'s state for ``jax.shard_map``'s ``in_specs``/``out_specs``.
 
-    ``tx`` is a transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``)
-    built with an ``axis_name``, or a chain or wrapper holding one (``optax.chain``,
-    ``MultiSteps``, ``inject_hyperparams``, ``apply_if_finite``, ``masked``/``partition``):
-    the wrapper's own state gets ``P()``. ``params``: the full params (arrays or shape
-    structs). Sharded leaves get the owner axes on their split axis, the rest ``P()``::
+    ``tx``: a transformation from :func:`muon_optax.muon_adamw` (or ``muon``/``adamw``)
+    built with ``axis_name``, or a chain or wrapper holding one (``optax.chain``,
+    ``MultiSteps``, ``inject_hyperparams``, ``apply_if_finite``, ``masked``/``partition``),
+    whose own state gets ``P()``. ``params``: the full params (arrays or shape structs).
+    Sharded leaves get the owner axes on their split axis, the rest ``P()``::
 
         specs = muon_optax.state_specs(tx, params, mesh)
-        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                                      out_specs=specs))(params)
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
     """
     specs_fn = getattr(tx.init, "state_specs", None)
     if specs_fn is not None:
@@ -106,8 +101,7 @@ def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
 
     def shapes_of(init, seen):
         axes = init.options.axes or ()
-        return init.global_shapes(seen, tuple((a, mesh.shape[a]) for a in axes
-                                              if a in mesh.shape))
+        return init.global_shapes(seen, tuple((a, mesh.shape[a]) for a in axes if a in mesh.shape))
 
     found, shapes = locate(tx, params, shapes_of)
     if not found:

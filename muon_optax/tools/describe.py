@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any, TextIO
 
@@ -16,16 +17,15 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
              ) -> list[dict[str, Any]]:
     """Each leaf's path, shape, group, how Muon sees it and which stack it joins.
 
-    Prints a table to ``file`` (``None``: print nothing) and returns its rows, one dict
-    per leaf: ``path``, ``shape``, ``group``, ``why`` (the rule of
-    :func:`muon_optax.label_by_path` that placed it, or ``"param_labels"``), ``kind``
-    (``"adamw"``/``"muon"``); for AdamW leaves ``split``; for Muon leaves ``matrices``
-    (blocks count one each), ``matrix`` (``(out, in)`` of a block), ``blocks``
-    (``(output_blocks, reduction_blocks)``), ``stored`` (the stack's ``(R, C)``,
-    ``"transposed"`` when stored as the leaf's transpose), ``stack`` (its index),
-    ``transport`` and ``owners`` (devices owning its matrices). ``num_devices``: plan for
-    that many devices along the owner axis. Check a labelling before training (no bias or
-    norm scale of a scanned Flax model in Muon)::
+    Prints a table to ``file`` (``None``: nothing) and returns its rows, a dict per leaf:
+    ``path``, ``shape``, ``group``, ``why`` (the :func:`muon_optax.label_by_path` rule that
+    placed it, or ``"param_labels"``), ``kind`` (``"adamw"``/``"muon"``); for AdamW leaves
+    ``split``; for Muon leaves ``matrices`` (a block counts as one), ``matrix`` (a block's
+    ``(out, in)``), ``blocks`` (``(output_blocks, reduction_blocks)``), ``stored`` (the
+    stack's ``(R, C)``, ``"transposed"`` if stored as the leaf's transpose), ``stack`` (its
+    index), ``transport`` and ``owners`` (devices owning its matrices). ``num_devices``:
+    plan for that many devices along the owner axis. Check a labelling before training
+    (no bias or norm scale of a scanned Flax model in Muon)::
 
         muon_optax.describe(tx, params)
     """
@@ -78,23 +78,17 @@ def _table(rows: list[dict[str, Any]], n: int) -> str:
             owners = _ranges(r["owners"]) + (f" [{r['transport']}]" if n > 1 else "")
         else:
             seen, stack, owners = "AdamW", "-", r["split"]
-        line = [r["path"], "x".join(map(str, r["shape"])) or "()", f"{r['group']} ({r['kind']})",
-                r["why"], seen, stack] + ([owners] if n > 1 else [])
-        lines.append(line)
+        lines.append([r["path"], "x".join(map(str, r["shape"])) or "()",
+                      f"{r['group']} ({r['kind']})", r["why"], seen, stack]
+                     + ([owners] if n > 1 else []))
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    return "\n".join(out + [fmt.format(*line) for line in lines])
+    return "\n".join(fmt.format(*line) for line in [header, ["-" * w for w in widths], *lines])
 
 
 def _ranges(devices: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    parts, run = [], []
-    for d in devices + [None]:
-        if run and (d is None or d != run[-1] + 1):
-            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-            run = []
-        if d is not None:
-            run.append(d)
-    return ", ".join(parts)
+    runs = [[d for _, d in run]   # d - i is the same along a run of consecutive devices
+            for _, run in itertools.groupby(enumerate(devices), lambda x: x[1] - x[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 

@@ -1,11 +1,8 @@
-"""What the optimizer costs per device, from shapes alone (no devices needed).
-
-Like DeepSpeed's memory estimators: "how much memory will the optimizer state take per
-GPU on 256 GPUs?" answered on a laptop. Everything comes from the static plan
-(:mod:`muon_optax.plan.plan`), so the numbers are the compiled program's: the state bytes
-exactly (every device allocates the longest share), the Muon FLOPs from the cost model
-the owners were balanced with, the bytes sent (ring algorithms) and the program's FLOPs as
-the sum of what each piece of the step reports (``cost``: sources, sinks, AdamW, guard).
+"""What the optimizer costs per device, from shapes alone (no devices needed), like
+DeepSpeed's memory estimators. Everything comes from the static plan, so the numbers are
+the compiled program's: the state bytes exactly (every device allocates the longest
+share), the Muon FLOPs from the owners' cost model, the bytes sent (ring algorithms), and
+the program's FLOPs as the sum of what each piece of the step reports (its ``cost``).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from muon_optax.step.state import state_shapes
 from muon_optax.step.transport import Transports
 
 
-def _plan(tx: Any, params: Any, num_devices: int,
-          param_specs: Any) -> tuple[TreePlan, Any, list]:
+def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[TreePlan, Any, list]:
     """The plan, the options, and each leaf's layout as given (``plan.specs`` holds the
     one the engine reads it in: whole for a Muon leaf whose layout cuts its blocks)."""
     opts = init_of(tx, "estimate").options
@@ -74,21 +70,20 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
 
     Returns:
       A dict of per-device lists (``num_devices`` numbers each): ``"state_bytes"`` (the
-      optimizer state each device allocates), ``"muon_flops"`` (its Muon FLOPs per step,
-      the polar iteration in the rule's direct form, as accelerators run it in bfloat16:
-      the cost the owners are balanced by) and ``"collective_bytes"`` (bytes it sends per
-      step, ring algorithms). Also ``"program_flops"``: one device's compiled program on
-      this backend, every conditional Muon slot counted as XLA's cost analysis counts
-      it, plus the AdamW arithmetic; and ``"stacks"`` (shape, matrices, transport, slots
-      per device of each stack, and its members: each leaf's path, matrices and
-      ``(output_blocks, reduction_blocks)``; a block is one matrix).
+      state each device allocates), ``"muon_flops"`` (its Muon FLOPs per step, the polar
+      iteration in the direct form accelerators run in bfloat16: the owners' balancing
+      cost) and ``"collective_bytes"`` (bytes it sends per step, ring algorithms). Also
+      ``"program_flops"``: one device's compiled program on this backend, each
+      conditional Muon slot counted as XLA's cost analysis does, plus the AdamW
+      arithmetic; and ``"stacks"``: each stack's shape, matrices, transport, slots per
+      device and members (path, matrices, ``(output_blocks, reduction_blocks)``; a block
+      is one matrix).
     """
     plan, opts, given = _plan(tx, params, num_devices, param_specs)
     n, leaves, reduced = num_devices, jax.tree.leaves(params), opts.mesh is not None
     sizes, dtypes = dict(plan.axes), [x.dtype for x in leaves]
     local_shapes = [tuple(d // math.prod(sizes[a] for a in e) for d, e in zip(x.shape, spec))
                     for x, spec in zip(leaves, plan.specs)]
-    # the state as init makes it on one device (step.state.state_shapes, the one truth)
     state = state_shapes(plan, local_shapes, dtypes, per_device=True, skipped=opts.skip_nonfinite)
     state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                       for s in jax.tree.leaves(state))
