@@ -20,7 +20,7 @@ from muon_optax.plan.plan import OwnerPlan, StackPlan
 from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.order import wait_for
 from muon_optax.rule.platform import per_platform
-from muon_optax.step.collectives import Collectives, flat_rows, row_slice
+from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
 from muon_optax.step.rows import (
     device_rows,
     dynamic_slice,
@@ -120,6 +120,11 @@ class ExchangeSource:
             self.received = whole(*flat)
         else:
             self.received = per_platform("exchange", *flat, tpu=none_yet, default=whole)
+
+    @staticmethod
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """An all-to-all of this device's ``(N, length)`` pieces, all but its own row."""
+        return Cost((owner.num_devices - 1) * owner.exchange[dtype].length * dtype.itemsize)
 
     def _parts(self, leaves) -> list[list[jax.Array]]:
         """Per device, the parts of ``leaves`` (a list, or a dict of this channel's) it is sent."""
@@ -252,6 +257,11 @@ class ExchangeSink:
         # temporaries) and sent in lanes, so a holder reads its blocks by slices.
         self.lane = lane_of(dtype, width, length, self.channel.offsets,
                             [owner.stacks[k].route.block_size for k in self.channel.stacks])
+
+    @staticmethod
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """The all-to-all of the holders' blocks back."""
+        return Cost((owner.num_devices - 1) * owner.back[dtype].length * dtype.itemsize)
 
     def empty(self) -> Directions:
         return Directions(jnp.zeros((self.comm.size, self.channel.length), self.dtype),

@@ -69,6 +69,12 @@ class GatherSource:
         self.channel = owner.gather[dtype]
         self.buffer = None if comm.grads_reduced else self._reduce_scatter(dtype)
 
+    @staticmethod
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """The reduce-scatter of the flat buffer (a share: the channel), unless ``reduced``."""
+        n = 0 if reduced else owner.num_devices - 1
+        return Cost(n * owner.gather[dtype].length * dtype.itemsize)
+
     def _reduce_scatter(self, dtype: Any) -> jax.Array:
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
         for k in self.channel.stacks:
@@ -104,6 +110,11 @@ class GatherSink:
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm = owner, comm
         self.channel, self.dtype = owner.gather[dtype], dtype
+
+    @staticmethod
+    def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
+        """The all-gather of this device's share of directions."""
+        return Cost((owner.num_devices - 1) * owner.gather[dtype].length * dtype.itemsize)
 
     def empty(self) -> jax.Array:
         return jnp.zeros(self.channel.length, self.dtype)   # this device's share
@@ -224,13 +235,11 @@ class Transports:
 
     @staticmethod
     def cost(owner: OwnerPlan, reduced: bool) -> Cost:
-        """What one device sends: a ring's ``n - 1`` shares of each channel, the gather's
-        twice (its reduce-scatter, unless ``reduced``, and all-gather; local: nothing)."""
-        ring = owner.num_devices - 1
-        return sum((Cost(times * ring * channels[dt].length * dt.itemsize)
-                    for channels, times in ((owner.gather, 1 if reduced else 2),
-                                            (owner.exchange, 1), (owner.back, 1))
-                    for dt in channels), Cost())
+        """The sum of what each source and sink sends (local: nothing)."""
+        return sum((cls.cost(owner, dt, reduced)
+                    for dts, classes in ((owner.gather, (GatherSource, GatherSink)),
+                                         (owner.exchange, (ExchangeSource, ExchangeSink)))
+                    for dt in dts for cls in classes), Cost())
 
     def _key(self, k: int):
         sp = self.owner.stacks[k]
