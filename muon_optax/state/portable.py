@@ -204,7 +204,10 @@ def _export(plan: TreePlan, state: MuonAdamWState) -> dict[str, Any]:
         crop = tuple(slice(0, n) for n in a.shape)
         mu[a.index], nu[a.index] = state_mu[a.index][crop], state_nu[a.index][crop]
     bufs = dict(zip(plan.state_keys, state.muon))
-    tree = lambda at: plan.treedef.unflatten([at.get(i) for i in range(len(plan.paths))])  # noqa: E731
+
+    def tree(at):
+        return plan.treedef.unflatten([at.get(i) for i in range(len(plan.paths))])
+
     out = {"count": state.count, "mu": tree(mu), "nu": tree(nu),
            "momentum": tree(_muon_leaves(plan, bufs, "momentum")),
            "second_moment": tree(_muon_leaves(plan, bufs, "second"))}
