@@ -1,12 +1,11 @@
-"""AdamW, as nanochat (and torch.optim.AdamW) computes it, for any slice of a parameter.
+"""AdamW, as nanochat (and torch.optim.AdamW) computes it, for any slice of a parameter:
 
     p = p * (1 - lr * wd)                      decoupled weight decay, before the step
     m = lerp(m, g, 1 - b1);  v = lerp(v, g^2, 1 - b2)
     p = p - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
 
-Arithmetic in float32, moments stored in the parameter's dtype, the new parameter
-rounded to it once (:func:`update_in_param_dtype`). ``optax.adamw`` computes the same.
-"""
+Arithmetic in float32, moments stored in the parameter's dtype, the new parameter rounded
+to it once (:func:`update_in_param_dtype`). ``optax.adamw`` computes the same."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ def update_in_param_dtype(p32: jax.Array, update32: jax.Array, dtype) -> jax.Arr
     """``P_new - P`` in the parameter dtype, such that ``P + update`` rounds only once:
     below float32, ``P_new`` is rounded here and the difference is exact whenever it is
     within a factor 2 of ``P`` (Sterbenz), where a bf16 update would round twice."""
-    dtype = jnp.dtype(dtype)
     if jnp.finfo(dtype).bits >= 32:
         return update32.astype(dtype)
     p_new32 = (p32 + update32).astype(dtype).astype(jnp.float32)
@@ -39,11 +37,9 @@ def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
 def adamw_leaf_update(g: jax.Array, p: jax.Array | None, m: jax.Array, v: jax.Array,
                       t: jax.Array, hp: dict[str, jax.Array], *, cfg: AdamWConfig | None = None
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One AdamW step on a parameter or a slice: ``(update, m, v)``. ``t``: the 1-based
-    step; ``p`` None: no weight decay. optax's options: ``hp["eps_root"]`` under the root;
-    ``cfg.nesterov``: ``b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)`` for
-    ``m / (1 - b1^t)``; ``cfg.optax_ema``: ``m = (1 - b1) g + b1 m``, ``b1 m`` in ``m``'s
-    dtype (likewise ``v``)."""
+    """One AdamW step on a parameter or a slice: ``(update, m, v)``. ``t``: the 1-based step;
+    ``p`` None: no weight decay. optax's options: ``hp["eps_root"]`` under the root, and
+    ``cfg``'s ``nesterov`` and ``optax_ema`` (its moments' rounding: ``b m`` in their dtype)."""
     f32, lr, b1, b2 = jnp.float32, hp["lr"], hp["b1"], hp["b2"]
     g32 = g.astype(f32)
     if cfg is not None and cfg.optax_ema:

@@ -1,6 +1,5 @@
 """The polar iteration's coefficients, each step's ``(a, b, c)`` of
-``X <- a X + b (X X^T) X + c (X X^T)^2 X``: the published tables and how a user names one.
-"""
+``X <- a X + b (X X^T) X + c (X X^T)^2 X``: the published tables and how a user names one."""
 
 from __future__ import annotations
 
@@ -64,9 +63,8 @@ def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
 
 
 def coefficient_rows(ns_coeffs: Any, where: str,
-                     presets: dict[str, Coeffs] | None = None) -> tuple[Coeffs, bool]:
+                     presets: dict[str, Coeffs] = NS_COEFF_PRESETS) -> tuple[Coeffs, bool]:
     """``(rows, is_table)`` of a preset name, a triple ``(a, b, c)`` or an ``(n, 3)`` table."""
-    presets = NS_COEFF_PRESETS if presets is None else presets
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in presets:
             close = difflib.get_close_matches(ns_coeffs, presets, n=1)

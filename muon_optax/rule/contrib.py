@@ -15,7 +15,6 @@ from muon_optax.rule import hparams, muon
 from muon_optax.rule.adamw import update_in_param_dtype
 from muon_optax.rule.coefficients import Coeffs, ns_coefficients
 from muon_optax.rule.order import after
-from muon_optax.rule.polar import check_preconditioning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +50,8 @@ class ContribConfig:
             (lr, "lr"), (momentum, "momentum"), (weight_decay, "weight_decay")))
         flags = {n: hparams.check_flag(v, n, where) for n, v in (
             ("nesterov", nesterov), ("adam", adam), ("adaptive", adaptive))}
-        return cls(*scalars, ns_coefficients(coeffs, len(coeffs), where),
-                   check_preconditioning(preconditioning, where),
+        # preconditioning: contrib_muon checks it against its own list (torch_muon's default)
+        return cls(*scalars, ns_coefficients(coeffs, len(coeffs), where), preconditioning,
                    hparams.static_float(eps, "eps", where), **flags,
                    compute_dtype=hparams.check_compute_dtype(compute_dtype, where),
                    mu_dtype=hparams.check_mu_dtype(mu_dtype, where),

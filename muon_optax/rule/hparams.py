@@ -1,12 +1,11 @@
-"""Parameter groups: nanochat's per-group hyperparameters, checked once, read per step.
-A group is a dict in nanochat's ``param_groups`` format, without ``params``:
+"""Parameter groups: nanochat's per-group hyperparameters, checked once, read per step. A group
+is a dict in nanochat's ``param_groups`` format, without ``params``:
 
     dict(kind="adamw", lr=..., betas=(b1, b2), eps=..., weight_decay=...)
     dict(kind="muon",  lr=..., momentum=..., ns_steps=..., beta2=..., weight_decay=...)
 
-Only ``lr`` is required. A scalar is a number or an optax schedule, evaluated on the
-traced step count (never recompiling); ``ns_steps`` and the Muon options are static.
-"""
+Only ``lr`` is required. A scalar is a number or an optax schedule, evaluated on the traced
+step count (never recompiling); ``ns_steps`` and the Muon options are static."""
 
 from __future__ import annotations
 
@@ -197,9 +196,8 @@ class MuonConfig:
             ("nesterov", nesterov), ("normuon", normuon), ("cautious", cautious))}
         scalars = (check_scalar(v, n, where) for v, n in (
             (lr, "lr"), (momentum, "momentum"), (beta2, "beta2"), (weight_decay, "weight_decay")))
-        return cls(*scalars, ns_steps=len(coeffs),
+        return cls(*scalars, ns_steps=len(coeffs), polar_method=polar_method,
                    compute_dtype=check_compute_dtype(compute_dtype, where),
-                   polar_method=polar_method,
                    ns_coeffs=None if coeffs == POLAR_EXPRESS_COEFFS[:len(coeffs)] else coeffs,
                    preconditioning=check_preconditioning(preconditioning, where),
                    mu_dtype=check_mu_dtype(mu_dtype, where), **flags)
@@ -269,33 +267,6 @@ def parse_groups(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, AdamWConf
     return {str(name): parse_group(str(name), g) for name, g in groups.items()}
 
 
-def _configs_of(groups_or_tx: Any) -> dict[str, AdamWConfig | MuonConfig]:
-    configs = getattr(getattr(groups_or_tx, "init", None), "configs", None)
-    if configs is not None:
-        return dict(configs)
-    if isinstance(groups_or_tx, Mapping) and groups_or_tx:
-        if all(isinstance(c, (AdamWConfig, MuonConfig)) for c in groups_or_tx.values()):
-            return dict(groups_or_tx)
-        return parse_groups(groups_or_tx)
-    raise TypeError(
-        "current_hyperparams: pass the transformation made by muon_adamw (or muon, adamw) "
-        "itself, not one wrapped by optax.chain or others, or the groups dict given to "
-        f"muon_adamw; got {type(groups_or_tx).__name__}.")
-
-
-def _count_of(state: Any) -> jax.Array:
-    count = getattr(state, "count", state)
-    integral = (isinstance(count, (int, np.integer)) and not isinstance(count, (bool, np.bool_))
-                or isinstance(count, (jax.Array, np.ndarray)) and count.ndim == 0
-                and jnp.issubdtype(count.dtype, jnp.integer))
-    if not integral:
-        raise TypeError(
-            "current_hyperparams: state must be the muon_adamw state (a MuonAdamWState, "
-            "whose count is the number of steps taken) or that step count; from a chain's "
-            f"state pass its muon_adamw part, e.g. state[1]. Got {type(state).__name__}.")
-    return jnp.asarray(count)
-
-
 def current_hyperparams(groups_or_tx: Any, state: Any) -> dict[str, dict[str, jax.Array]]:
     """Each group's hyperparameters for the next update, schedules evaluated: for logging.
     Works eagerly and under jit.
@@ -311,5 +282,23 @@ def current_hyperparams(groups_or_tx: Any, state: Any) -> dict[str, dict[str, ja
       for Muon groups (a matrix with more rows than columns steps with
       ``lr * sqrt(rows / cols)``).
     """
-    configs, count = _configs_of(groups_or_tx), _count_of(state)
+    configs = getattr(getattr(groups_or_tx, "init", None), "configs", None)
+    if configs is None and isinstance(groups_or_tx, Mapping) and groups_or_tx:
+        configs = groups_or_tx
+        if not all(isinstance(c, (AdamWConfig, MuonConfig)) for c in configs.values()):
+            configs = parse_groups(configs)
+    if configs is None:
+        raise TypeError(
+            "current_hyperparams: pass the transformation made by muon_adamw (or muon, adamw) "
+            "itself, not one wrapped by optax.chain or others, or the groups dict given to "
+            f"muon_adamw; got {type(groups_or_tx).__name__}.")
+    count = getattr(state, "count", state)
+    if not (isinstance(count, (int, np.integer)) and not isinstance(count, (bool, np.bool_))
+            or isinstance(count, (jax.Array, np.ndarray)) and count.ndim == 0
+            and jnp.issubdtype(count.dtype, jnp.integer)):
+        raise TypeError(
+            "current_hyperparams: state must be the muon_adamw state (a MuonAdamWState, "
+            "whose count is the number of steps taken) or that step count; from a chain's "
+            f"state pass its muon_adamw part, e.g. state[1]. Got {type(state).__name__}.")
+    count = jnp.asarray(count)
     return {name: cfg.at(count) for name, cfg in configs.items()}

@@ -1,7 +1,5 @@
-"""Muon: Nesterov momentum, Polar Express, NorMuon and cautious weight decay.
-
-One step for a stack of K matrices ``(K, R, C)`` as stored (:mod:`muon_optax.params.layout`),
-every operation per matrix:
+"""Muon: Nesterov momentum, Polar Express, NorMuon and cautious weight decay, one step for a
+stack ``(K, R, C)`` as stored (:mod:`muon_optax.params.layout`), every operation per matrix:
 
     buf = lerp(buf, G, 1 - momentum);  U = lerp(G, buf, momentum)        Nesterov
     X   = U * (||U||_F / sqrt(rows)) / max(row_norms(U), 1e-6)           MuonEq (optional)
@@ -13,8 +11,7 @@ every operation per matrix:
 
 ``rows`` and ``red`` are the matrix's own (PyTorch ``(out, in)``); ``lr_eff`` is
 ``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
-arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``.
-"""
+arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``."""
 
 from __future__ import annotations
 
@@ -44,13 +41,11 @@ class MuonStackState(NamedTuple):
 def normuon_axis(rows: int, cols: int, transposed: bool | jax.Array) -> int:
     """The stored axis NorMuon averages over: a wide matrix's own rows, a tall or square
     one's own columns (stacks mixing orientations are never square)."""
-    if rows != cols:
-        return -2 if rows < cols else -1
-    return -2 if transposed is True else -1
+    return -2 if rows < cols or (rows == cols and transposed is True) else -1
 
 
 def _input_scale(x: jax.Array, transposed: bool | jax.Array,
-                 row_equilibration: bool, basin: bool = True) -> jax.Array:
+                 row_equilibration: bool, basin: bool) -> jax.Array:
     """MuonEq and the basin scaling as one factor per own row (``basin=False``: MuonEq
     alone), from one pass of float32 norms of ``x * s`` (finite; the basin takes ``s`` back)."""
     s = overflow_scale(x.astype(jnp.float32))
@@ -97,11 +92,10 @@ def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
     """MuonEq, the preconditioning and the polar iteration of ``U``."""
     f32, (rows, cols) = jnp.float32, u.shape[-2:]
     x = u.astype(compute_dtype)
-    if cfg.preconditioning == "basin":
-        x = x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration)
-    else:
-        if cfg.row_equilibration:
-            x = x.astype(f32) * _input_scale(x, transposed, True, basin=False)
+    basin = cfg.preconditioning == "basin"
+    if basin or cfg.row_equilibration:
+        x = x.astype(f32) * _input_scale(x, transposed, cfg.row_equilibration, basin)
+    if not basin:
         x = precondition(x.astype(compute_dtype), cfg.preconditioning, cfg.eps)
     x = x.astype(compute_dtype)
     # AOL scales the Gram side's rows, so it is not transpose-equivariant: a square runs
@@ -128,11 +122,9 @@ def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
 def muon_step(cfg: MuonConfig, g: jax.Array, state: MuonStackState, hp: Mapping[str, Any],
               count: jax.Array, dtype: Any, *, order: bool = True
               ) -> tuple[jax.Array, MuonStackState, None]:
-    """The rule up to NorMuon on a stored stack ``g`` ``(K, R, C)``, the kernel every mode
-    runs: ``O`` in ``dtype``, the new state and None (nothing summed over a leaf).
-    ``state.momentum`` may be in any layout of ``g``'s size (the engine's flat buffer); the
-    new one comes back in it, once ``U`` is computed, to overwrite the old in place
-    (``order=False``: the caller orders it)."""
+    """The rule up to NorMuon on a stored stack ``g`` ``(K, R, C)``: ``(O in dtype, state,
+    None)``. The momentum, in any layout of ``g``'s size, comes back once ``U`` is computed,
+    to overwrite the old in place (``order=False``: the caller orders it)."""
     f32, (rows, cols), transposed = jnp.float32, g.shape[-2:], hp["transposed"]
     stored, u = momentum(g.astype(f32), state.momentum, hp["momentum"], nesterov=cfg.nesterov)
     wait = u if order else None
@@ -167,20 +159,18 @@ def matrix_lr_scale(rows: int, cols: int) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array,
-                    weight_decay: jax.Array) -> jax.Array:
+def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array,
+                    cautious: bool = True) -> jax.Array:
     """``P_new - P = -lr O - lr wd P [O P >= 0]`` in the parameter's dtype: weight decay
-    only where update and weight agree in sign. Elementwise: each leaf in its layout."""
+    only where update and weight agree in sign (``cautious=False``: everywhere). Elementwise:
+    each leaf in its layout."""
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
-    update = -lr * o32 - (lr * weight_decay) * jnp.where(o32 * p32 >= 0, p32, 0.0)
+    update = -lr * o32 - (lr * weight_decay) * (
+        jnp.where(o32 * p32 >= 0, p32, 0.0) if cautious else p32)
     return update_in_param_dtype(p32, update, p.dtype)
 
 
 def leaf_update(cfg: MuonConfig, o: jax.Array, p: jax.Array, lr: jax.Array,
                 weight_decay: jax.Array, *, rows: int, cols: int) -> jax.Array:
-    """One leaf's update: :func:`cautious_update` at ``lr_eff``, masked if ``cfg.cautious``."""
-    lr_eff = lr * matrix_lr_scale(rows, cols)
-    if cfg.cautious:
-        return cautious_update(o, p, lr_eff, weight_decay)
-    o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
-    return update_in_param_dtype(p32, -lr_eff * o32 - (lr_eff * weight_decay) * p32, p.dtype)
+    """One leaf's update: :func:`cautious_update` at ``lr_eff``."""
+    return cautious_update(o, p, lr * matrix_lr_scale(rows, cols), weight_decay, cfg.cautious)

@@ -3,8 +3,7 @@ momentum matrix ``G = U S V^T`` by (about) its polar factor ``U V^T``. Polar Exp
 (Amsel, Persson, Musco, Gower, arXiv:2505.16932) takes a few odd-polynomial iterations,
 the Gram matrix on the short side, batched over leading axes (a stack is one program):
 
-    X_{k+1} = a_k X_k + b_k (X_k X_k^T) X_k + c_k (X_k X_k^T)^2 X_k
-"""
+    X_{k+1} = a_k X_k + b_k (X_k X_k^T) X_k + c_k (X_k X_k^T)^2 X_k"""
 
 from __future__ import annotations
 
@@ -98,10 +97,9 @@ def choose_method(rows: int, cols: int, ns_steps: int, method: str = "direct",
 def _polynomial(gram: jax.Array, a: float, b: float, c: float) -> jax.Array:
     """``a I + b A + c A^2`` formed in float32, rounded once (plainly on a bfloat16 ``A``,
     JAX would round each coefficient and term)."""
-    f32 = jnp.float32
-    eye = jnp.eye(gram.shape[-1], dtype=f32)
+    eye = jnp.eye(gram.shape[-1], dtype=jnp.float32)
     square = _matmul(gram, gram)
-    m = a * eye + b * gram.astype(f32) + c * square.astype(f32)
+    m = a * eye + b * gram.astype(jnp.float32) + c * square.astype(jnp.float32)
     return m.astype(gram.dtype)
 
 
@@ -144,9 +142,8 @@ def _gram_space_steps(x: jax.Array, coeffs) -> jax.Array:
     """The steps on the short side: for a wide ``X_0``, ``X_k = Q_k X_0``, and ``Q_k``,
     ``A_k = X_k X_k^T``, ``M_k = a I + b A_k + c A_k^2``, polynomials in ``A_0``, commute:
     ``Q_{k+1} = M_k Q_k``, ``A_{k+1} = M_k A_k M_k``."""
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = jnp.swapaxes(x, -1, -2)
+    if x.shape[-2] > x.shape[-1]:
+        return jnp.swapaxes(_gram_space_steps(jnp.swapaxes(x, -1, -2), coeffs), -1, -2)
     gram = _matmul(x, jnp.swapaxes(x, -1, -2))
     q = None
     for k, (a, b, c) in enumerate(coeffs):
@@ -154,24 +151,20 @@ def _gram_space_steps(x: jax.Array, coeffs) -> jax.Array:
         q = m if q is None else _matmul(m, q)
         if k + 1 < len(coeffs):
             gram = _matmul(m, _matmul(gram, m))
-    x = _matmul(q, x)
-    return jnp.swapaxes(x, -1, -2) if tall else x
+    return _matmul(q, x)
 
 
 def polar_express(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> jax.Array:
-    """The first ``ns_steps`` iterations on ``x`` (..., R, C), scaled to a spectral norm
-    of at most one, matmuls in ``x.dtype``. ``method``: ``"direct"`` (the rule as written),
-    ``"gram"`` (two direct steps, then the short side's: other rounding, fewer FLOPs for
-    rectangular matrices) or ``"auto"`` (:func:`choose_method`)."""
+    """The first ``ns_steps`` iterations on ``x`` (..., R, C) of spectral norm <= 1, matmuls in
+    ``x.dtype``. ``method``: ``"direct"`` (as written), ``"gram"`` (two direct steps, then the
+    short side's: fewer FLOPs for rectangular matrices) or ``"auto"`` (:func:`choose_method`)."""
     check_ns_steps(ns_steps, "polar_express")
     return polar_iteration(x, POLAR_EXPRESS_COEFFS[:ns_steps], method)
 
 
 def precondition(x: jax.Array, kind: str, eps: float = 1e-8) -> jax.Array:
-    """Scales each matrix of ``x`` into the basin, in float32 rounded to ``x.dtype``:
-    ``X / (1.01 ||X||_F + 1e-6)`` (``basin``), ``X / (||X||_F + eps)`` (``frobenius``,
-    optax's) or ``X / (||X||_2 + eps)`` (``spectral``, an SVD); ``aol`` and ``schatten``
-    scale in :func:`preconditioned_step`."""
+    """Scales each matrix of ``x`` into the basin (``frobenius``, ``spectral``: optax's), in
+    float32 rounded to ``x.dtype``; ``aol``, ``schatten``: in :func:`preconditioned_step`."""
     if kind in ("aol", "schatten"):
         return x
     x32 = x.astype(jnp.float32)
@@ -179,20 +172,16 @@ def precondition(x: jax.Array, kind: str, eps: float = 1e-8) -> jax.Array:
         return (x32 / (1.01 * fro_norm(x) + 1e-6)).astype(x.dtype)
     if kind == "frobenius":
         return (x32 / (fro_norm(x) + eps)).astype(x.dtype)
-    if kind == "spectral":
-        sv = jnp.linalg.svd(x32, compute_uv=False)
-        return (x32 / (jnp.max(sv, axis=-1)[..., None, None] + eps)).astype(x.dtype)
-    raise ValueError(f"unknown preconditioning {kind!r}; use one of {PRECONDITIONINGS}.")
+    # spectral: every caller has checked kind (check_preconditioning)
+    sv = jnp.linalg.svd(x32, compute_uv=False)
+    return (x32 / (jnp.max(sv, axis=-1)[..., None, None] + eps)).astype(x.dtype)
 
 
 def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
                         kind: str) -> jax.Array:
-    """The first iteration with AOL or Schatten-4 scaling folded into its Gram matrix
-    ``A = X X^T`` (short side; sums clamped at 1e-8, so a zero matrix stays zero).
-    ``aol`` (Turbo-Muon, arXiv:2512.04632): ``D = diag(1 / sqrt(sum_j |A_ij|))`` bounds the
-    spectral norm by one (Gershgorin), often far tighter than the Frobenius norm:
-    ``X <- D X``, ``A <- D A D``. ``schatten``: ``s = 1 / sqrt(||A||_F)``, ``X / ||X||_S4``.
-    """
+    """The first iteration with ``kind``'s scaling folded into its Gram matrix ``A = X X^T``:
+    ``aol`` (Turbo-Muon, arXiv:2512.04632) ``D X``, ``D A D``, of spectral norm at most one
+    (Gershgorin), often far below ``||X||_F``; ``schatten`` ``X / ||X||_S4``. Zero stays zero."""
     if x.shape[-2] > x.shape[-1]:
         return jnp.swapaxes(preconditioned_step(jnp.swapaxes(x, -1, -2), abc, kind), -1, -2)
     a, b, c = abc
@@ -201,12 +190,10 @@ def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
     if kind == "aol":
         s = jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.abs(gram), axis=-1, keepdims=True), 1e-8))
         x, gram = x.astype(f32) * s, gram * s * jnp.swapaxes(s, -1, -2)
-    elif kind == "schatten":
+    else:  # schatten: polar_iteration's only other kind
         s = jax.lax.rsqrt(jnp.maximum(jnp.sqrt(jnp.sum(gram * gram, axis=(-2, -1),
                                                        keepdims=True)), 1e-8))
         x, gram = x.astype(f32) * s, gram * (s * s)
-    else:
-        raise ValueError(f"preconditioned_step: kind must be 'aol' or 'schatten', got {kind!r}.")
     return _matmul(_polynomial(gram.astype(dtype), a, b, c), x.astype(dtype))
 
 
@@ -214,7 +201,6 @@ def polar_iteration(x: jax.Array, coeffs: Coeffs, method: str = "direct", *,
                     preconditioning: str = "basin") -> jax.Array:
     """One step per ``(a, b, c)`` row of ``coeffs`` on ``x`` scaled by
     :func:`precondition`; ``method`` as in :func:`polar_express`."""
-    coeffs = tuple(coeffs)
     if preconditioning in ("aol", "schatten") and coeffs:
         x, coeffs = preconditioned_step(x, coeffs[0], preconditioning), coeffs[1:]
     if not coeffs:
