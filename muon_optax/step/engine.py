@@ -1,13 +1,9 @@
-"""The engine behind every constructor: one optax transformation for any groups.
-
-:func:`local_update` is one step: gradients reduced (ZeRO-2), clip factor and finiteness
-taken (:mod:`~muon_optax.step.guard`), AdamW leaves stepped where they lie, then the Muon
-stacks through the rule's kernel (:mod:`~muon_optax.step.one_device`,
-:mod:`~muon_optax.step.sharded`). All but the arithmetic is decided at trace time.
-
-Three forms share it: one device (no ``axis_name``); ZeRO-2 inside the user's
-``jax.shard_map`` (params whole, gradients per device); plain ``jax.jit`` with ``mesh=``
-(the engine's own ``shard_map`` over the params' layouts, gradients reduced by XLA).
+"""The engine behind every constructor. :func:`local_update` is one step: gradients
+reduced (ZeRO-2), clip factor and finiteness taken, AdamW leaves stepped where they lie,
+then the Muon stacks through the rule's kernel; all but the arithmetic is decided at trace
+time. Three forms share it: one device; ZeRO-2 inside the user's ``jax.shard_map`` (params
+whole, gradients per device); plain ``jax.jit`` with ``mesh=`` (the engine's own
+``shard_map`` over the params' layouts, gradients reduced by XLA).
 """
 
 from __future__ import annotations
@@ -55,7 +51,7 @@ class Options:
     skip_nonfinite: bool = False
 
 
-def leaf_specs(opts: Options, params: Any, known: Any = None) -> list | None:
+def leaf_specs(opts: Options, params: Any, known: Any) -> list | None:
     """Each leaf's layout over ``opts.mesh`` (None without a mesh): from ``param_specs``
     (one spec for all leaves, or a tree), else from the leaves or, where a traced leaf does
     not show it, ``known``: the layouts the state was made for."""
@@ -135,19 +131,14 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
 
 
 def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
-                      leaves, reduced: dict, state, scale, updates: list,
-                      muon) -> tuple[Any, Any, Any]:
-    """:func:`_adamw_phase` for the ``late`` leaves, after the Muon phase.
-
-    Stepped first, each whole update's gather would start at once and be held through the
-    Muon phase. So on TPU their inputs pass a barrier with the Muon state (and under
-    ``mesh=`` the split Muon updates); ZeRO-2's Muon updates are whole, which a barrier
-    would hold all at once, so there they wait for one element of each instead.
-
-    ``leaves``: whole ``(g_leaves, p_leaves)``; ``reduced``: ZeRO-2's gradient shares,
-    reduce-scattered early for the statistics; ``state``: ``(mu, nu)``."""
+                      leaves, reduced: dict, moments, scale, updates: list, muon) -> Any:
+    """:func:`_adamw_phase` for the ``late`` leaves, after the Muon phase (before it, each
+    whole update's gather would be held through it). On TPU their inputs pass a barrier with
+    the Muon state (and under ``mesh=`` the split Muon updates); ZeRO-2's Muon updates are
+    whole, which a barrier would hold all at once, so there they wait for one element of
+    each. ``reduced``: ZeRO-2's gradient shares, reduce-scattered early for the statistics."""
     g_leaves, p_leaves = leaves
-    mu, nu = (plan.treedef.flatten_up_to(x) for x in state)
+    mu, nu = moments
     # ZeRO-2's params stay out of the barrier (on one device they are not varying, unlike
     # its other inputs) and are sliced after it.
     ins = [(reduced[a.index], None, mu[a.index], nu[a.index]) if a.index in reduced else
@@ -179,14 +170,13 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
         u, mu[a.index], nu[a.index] = adamw_leaf_update(g, p, m, v, t, hps[a.group],
                                                         cfg=opts.configs[a.group])
         updates[a.index] = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
-    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon
+    return muon
 
 
 def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads: dict,
-                 state, updates: list) -> tuple[Any, Any]:
+                 mu: list, nu: list, updates: list) -> None:
     """AdamW leaves, from :func:`_adamw_grads`: fills ``updates`` (split ones gathered
-    back); returns the new ``(mu, nu)``."""
-    mu, nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
+    back), ``mu`` and ``nu`` (flat)."""
     for a in plan.adamw:
         g, p = grads[a.index]
         u, mu[a.index], nu[a.index] = adamw_leaf_update(
@@ -194,7 +184,6 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
         if a.axis is not None:
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u
-    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
 
 
 def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced: bool) -> Cost:
@@ -225,17 +214,9 @@ def check_update_args(opts: Options, grads, params) -> None:
                          f"params: {jax.tree.structure(params)}")
 
 
-def _check_shapes(plan: TreePlan, g_leaves, p_leaves, name: str) -> None:
-    for path, g, x in zip(plan.paths, g_leaves, p_leaves or g_leaves):
-        if tuple(g.shape) != tuple(x.shape):
-            raise ValueError(f"{name}: the gradient of {path!r} has shape {g.shape} but the "
-                             f"parameter has shape {x.shape}.")
-
-
 def _check_vma(plan: TreePlan, comm: Collectives, g_leaves, p_leaves, name: str) -> None:
-    """Inside the user's shard_map the optimizer averages the gradients itself, so they
-    must arrive per device ("varying"), not summed by jax.grad of params passed with P();
-    the params must be whole on every device (one split over an owner axis would be
+    """Inside the user's shard_map the gradients must arrive per device ("varying"): the
+    optimizer averages them itself; the params whole (one split over an owner axis would be
     orthogonalized block by block). Only ``check_vma=True`` types show either."""
     if not comm.active or comm.grads_reduced or not varying_axes(jax.lax.axis_index(comm.axes)):
         return
@@ -275,8 +256,7 @@ def local_init(plan: TreePlan, opts: Options, params: Any) -> MuonAdamWState:
 def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
                  moves: Transports) -> GradStats:
     """:class:`GradStats` from this device's reduced shares (see :mod:`~muon_optax.step.guard`)."""
-    split = [grads[a.index][0] for a in plan.adamw if a.axis is not None]
-    split += moves.reduced_buffers()
+    split = [grads[a.index][0] for a in plan.adamw if a.axis is not None] + moves.reduced_buffers()
     total = sums([grads[a.index][0] for a in plan.adamw if a.axis is None])
     if split:
         total = total + jax.lax.psum(sums(split), comm.axes)
@@ -290,7 +270,10 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     comm = Collectives(opts.axes, grads_reduced=opts.mesh is not None, where=opts.name)
     g_leaves = plan.treedef.flatten_up_to(grads)
     p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
-    _check_shapes(plan, g_leaves, p_leaves, opts.name)
+    for path, g, x in zip(plan.paths, g_leaves, p_leaves or g_leaves):
+        if tuple(g.shape) != tuple(x.shape):
+            raise ValueError(f"{opts.name}: the gradient of {path!r} has shape {g.shape} but "
+                             f"the parameter has shape {x.shape}.")
     _check_vma(plan, comm, g_leaves, p_leaves, opts.name)
     ref = p_leaves or g_leaves
     dtypes = [x.dtype for x in ref]
@@ -314,7 +297,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
     updates = [None] * len(g_leaves)
     reduced = {a.index: adamw_grads.pop(a.index)[0] for a in late if a.index in adamw_grads}
-    mu, nu = _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, state, updates)
+    mu, nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
+    _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, mu, nu, updates)
     if moves is None:   # one device: stack -> kernel -> unstack
         muon = one_device.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
                                      state.muon, stats.scale, updates)
@@ -322,13 +306,12 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
         muon = sharded.muon_phase(plan, opts.configs, comm, hps, count, moves, stats.scale,
                                   g_view, p_view, state, updates)
     if late:
-        mu, nu, muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
-                                         (g_leaves, p_leaves), reduced, (mu, nu), stats.scale,
-                                         updates, muon)
+        muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late, (g_leaves, p_leaves),
+                                 reduced, (mu, nu), stats.scale, updates, muon)
     for m in plan.muon:   # from the block views back to the leaves
         updates[m.index] = updates[m.index].reshape(g_leaves[m.index].shape)
-    new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped,
-                               state.layout)
+    new_state = MuonAdamWState(optax.safe_int32_increment(count), plan.treedef.unflatten(mu),
+                               plan.treedef.unflatten(nu), muon, state.skipped, state.layout)
     updates, new_state = select(stats.finite, updates, new_state, state)
     return plan.treedef.unflatten(updates), new_state
 
@@ -337,10 +320,8 @@ def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
     """The Muon leaves in their block views (:meth:`MatrixLeaf.view`), the others as is."""
     if leaves is None:
         return None
-    out = list(leaves)
-    for m in plan.muon:
-        out[m.index] = m.view(leaves[m.index])
-    return out
+    views = {m.index: m.view(leaves[m.index]) for m in plan.muon}
+    return [views.get(i, x) for i, x in enumerate(leaves)]
 
 
 def local_fns(opts: Options):

@@ -1,10 +1,8 @@
-"""The exchange transport (``mesh=`` FSDP, blocks split over the devices): equal pieces
-of every matrix go to its owner in an all-to-all and are reassembled there; the
-directions go back cut into the holders' blocks, in another.
-
-On TPU both go in column pieces (in :func:`~muon_optax.step.rows.lanes` where the cuts are
-whole tiles), each sent just before its first load or once complete, so no one holds every
-piece at once; elsewhere each is one all-to-all. The results are the same, bit for bit.
+"""The exchange transport (``mesh=`` FSDP, blocks split over the devices): equal pieces of
+every matrix go to its owner in an all-to-all and are reassembled there; the directions go
+back cut into the holders' blocks, in another. On TPU both go in column pieces (in lanes
+where the cuts are whole tiles), each sent just before its first load or once complete, so
+no one holds every piece at once; elsewhere each is one all-to-all. Same results, bit for bit.
 """
 
 from __future__ import annotations
@@ -66,12 +64,9 @@ def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
 
 def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
     """``fn(member)`` for slots ``j0 .. j0+n`` along ``axis``, picked per slot among the
-    stack's layouts (this device's table row).
-
-    Leaves of one stored shape split differently (a Flax kernel on rows, a PyTorch one on
-    columns) share one stack: one polar program, one balance over the devices (apart, each
-    might leave a remainder slot, a ``lax.cond``), for a reshape per layout.
-    """
+    stack's layouts. Leaves of one stored shape split differently (a Flax kernel on rows, a
+    PyTorch one on columns) share one stack: one polar program, one balance over the devices
+    (apart, each might leave a remainder slot, a ``lax.cond``), for a reshape per layout."""
     reps, table = sp.variants()
     if len(reps) == 1:
         return fn(reps[0])
@@ -84,12 +79,10 @@ def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int
 
 
 class ExchangeSource:
-    """Owned matrices of the ``"exchange"`` stacks of one dtype, by one all-to-all.
-
-    Every device cuts its block of each matrix into ``replicas`` equal sub-pieces and sends
-    the owner the one matching its place among the block's holders: all send the same
-    number of elements, and the owner reassembles them by a fixed permutation.
-    """
+    """Owned matrices of the ``"exchange"`` stacks of one dtype, by one all-to-all. Every
+    device cuts its block of each matrix into ``replicas`` equal sub-pieces and sends the
+    owner the one matching its place among the block's holders: all send the same number of
+    elements, and the owner reassembles them by a fixed permutation."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
                  comm: Collectives):
@@ -104,22 +97,20 @@ class ExchangeSource:
                             [r.piece for r in routes], [r.block_size for r in routes])
         self.members = [m.index for k in self.channel.stacks
                         for m in self.owner.stacks[k].stack.members]
-        flat, unflatten = flat_rows(self._parts(leaves))
+        parts, unflatten = flat_rows(self._parts(leaves))
 
-        def whole(*flat):
-            got = comm.exchange(jnp.stack(device_rows(unflatten(flat), length, dtype)))
+        def whole(*parts):
+            got = comm.exchange(jnp.stack(device_rows(unflatten(parts), length, dtype)))
             return [jax.lax.slice_in_dim(got, c0, c1, axis=1) for c0, c1 in self.bounds]
 
-        def none_yet(*flat):   # TPU: the load that first needs a piece exchanges it
-            del flat
+        def none_yet(*parts):   # TPU: the load that first needs a piece exchanges it
+            del parts
             return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
 
         self.dtype, self.leaves = dtype, [leaves[i] for i in self.members]
         self.piece_leaves = self._piece_leaves()
-        if comm.size == 1:
-            self.received = whole(*flat)
-        else:
-            self.received = per_platform("exchange", *flat, tpu=none_yet, default=whole)
+        self.received = (whole(*parts) if comm.size == 1
+                         else per_platform("exchange", *parts, tpu=none_yet, default=whole))
 
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
@@ -326,11 +317,9 @@ class ExchangeSink:
     @staticmethod
     def _into(part: jax.Array, rows: jax.Array, start, c0: int, first: int, last: int,
               owned: jax.Array | None) -> jax.Array:
-        """``part`` (columns ``c0 ..`` of the buffer) with whatever of ``rows`` (columns
-        ``start ..`` here, ``first <= start <= last`` everywhere) falls in it; other columns,
-        and all of a slot not owned, keep the piece's values. The rows that can fall in it
-        on some device are padded by the piece's width on each side, so the window read
-        starts inside them (no clamped read)."""
+        """``part`` (columns ``c0 ..``) with whatever of ``rows`` (columns ``start ..``,
+        ``first <= start <= last`` everywhere) falls in it, unless not ``owned``. The rows are
+        padded by the piece's width on each side, so the window read is never clamped."""
         length, width = rows.shape[1], part.shape[1]
         a, b = max(0, c0 - last), min(length, c0 + width - first)
         padded = jnp.pad(rows[:, a:b], ((0, 0), (width, width)))

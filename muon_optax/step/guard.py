@@ -4,10 +4,9 @@
     scale  = 1 if norm < max_grad_norm else max_grad_norm / norm
     finite = every element of g is finite
 
-as ``optax.clip_by_global_norm`` on one device fed the global batch; a non-finite step
-returns zero updates and the old state, but one more ``skipped``. Under ZeRO-2 a transform
-chained before the optimizer would see one device's gradient, so these run in the step:
-each device sums its reduce-scattered shares, and one ``psum`` adds them up.
+as ``optax.clip_by_global_norm`` on the global batch; a non-finite step returns zero updates
+and the old state, one more ``skipped``. Under ZeRO-2 a transform chained before the
+optimizer would see one device's gradient, so these run in the step (one ``psum``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Moving Muon matrices to their owners and their directions back (the transports of
-:mod:`muon_optax.plan.routes`). Each stack reads its owned matrices through a *source* and
-writes their directions into a *sink*, from which every device gets its leaves' directions
-(values in, values out: neither keeps anything while a step is traced):
-
-- gather:   flat device-major buffer -> reduce-scatter (or this device's slice of reduced
-            gradients) ... directions -> flat share -> all-gather;
-- exchange: pieces of every matrix -> all-to-all -> the owner ... directions -> all-to-all
-            -> each holder's block (:mod:`~muon_optax.step.exchange`);
-- local:    the device's own matrices, read and written in place.
+:mod:`muon_optax.plan.routes`): each stack reads its owned matrices through a *source* and
+writes their directions into a *sink* (values in, values out: neither keeps anything while
+a step is traced). Gather: a flat buffer reduce-scattered, directions all-gathered;
+exchange (:mod:`~muon_optax.step.exchange`): all-to-alls both ways; local: in place.
 """
 
 from __future__ import annotations
@@ -147,12 +142,9 @@ class GatherSink:
         return out
 
     def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
-        """The share gathered in column pieces of at most ``piece`` elements, as ``(N,
-        piece)`` rows (on TPU, cutting a gathered 1-D buffer into rows copies all of it),
-        each after the previous one, so that not all directions are alive at once; a leaf
-        is read out once its pieces are in. Where every cut is whole tiles (on at most
-        ``LANES_MAX_DEVICES``), pieces go in :func:`~muon_optax.step.rows.lanes` so a
-        matrix is read out by a slice, not a strided copy."""
+        """The share gathered in ``(N, piece)`` column pieces (on TPU, cutting a gathered 1-D
+        buffer into rows copies all of it), each after the previous one, so not all directions
+        are alive at once; in lanes where the cuts are whole tiles: a slice, not a copy."""
         length, piece = self.channel.length, max(1, piece)
         bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
         stacks = [self.owner.stacks[k].stack for k in self.channel.stacks]
@@ -280,7 +272,5 @@ class Transports:
 
     def finish(self, carry: dict, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         """Every Muon leaf's direction, in this device's block (``local_shapes``)."""
-        out: dict[int, jax.Array] = {}
-        for key, sink in self.sinks.items():
-            out.update(sink.finish(carry[key][1], local_shapes))
-        return out
+        return {i: x for key, sink in self.sinks.items()
+                for i, x in sink.finish(carry[key][1], local_shapes).items()}
