@@ -1,10 +1,8 @@
 """The collectives along the owner axes (one mesh axis or several; their ``N`` devices
-numbered row-major, as ``jax.lax.axis_index`` numbers them).
-
-As nanochat's ``DistMuonAdamW``: reduce-scatter the gradients, update the owned share,
-all-gather the result. :mod:`muon_optax.plan.plan` decides who owns what. With
-``axis_name=None``, N = 1 and every collective is the identity.
-"""
+numbered row-major, as ``jax.lax.axis_index`` numbers them). As nanochat's ``DistMuonAdamW``:
+reduce-scatter the gradients, update the owned share (:mod:`muon_optax.plan.plan` decides
+whose), all-gather the result. With ``axis_name=None``, N = 1: every collective is the
+identity."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The plain ``jax.jit`` form (``mesh=``): the engine runs its own ``shard_map``.
-
-Every leaf enters in its own layout (:func:`muon_optax.plan.specs.placed_specs`), the
-gradients already averaged by XLA; the updates leave laid out like the params and the
-state stays split over the owner axes.
-"""
+"""The plain ``jax.jit`` form (``mesh=``): the engine runs its own ``shard_map``. Every leaf
+enters in its own layout (:func:`muon_optax.plan.specs.placed_specs`), the gradients already
+averaged by XLA; the updates leave laid out like the params, the state split over the owner
+axes."""
 
 from __future__ import annotations
 
@@ -84,13 +82,9 @@ def wrap_in_shard_map(opts: Options):
             return local_update(plan, _with_arrays(opts, ex[1]), g, s, p, ex[0])
 
         g, s = placed(grads, plan), jax.tree.map(moved, state, sspecs)
-        if params is None:
-            return jax.shard_map(lambda g, s, ex: fn(g, s, None, ex), mesh=mesh, check_vma=False,
-                                 in_specs=(specs, sspecs, extra_specs),
-                                 out_specs=(specs, sspecs))(g, s, extras)
-        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, specs, extra_specs),
-                             check_vma=False, out_specs=(specs, sspecs))(
-            g, s, placed(params, plan), extras)
+        p, p_specs = (None, P()) if params is None else (placed(params, plan), specs)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(specs, sspecs, p_specs, extra_specs),
+                             check_vma=False, out_specs=(specs, sspecs))(g, s, p, extras)
 
     return init, update
 
@@ -109,12 +103,10 @@ def entry_cost(plan: TreePlan, given: list, leaves: list) -> Cost:
 def _array_hparams(opts: Options) -> dict[str, Any]:
     """The hyperparameters given as arrays (traced under ``optax.inject_hyperparams``):
     ``{group: {field: array}}``, and ``max_grad_norm`` under ``""``."""
-    out: dict[str, Any] = {}
-    for name, cfg in opts.configs.items():
-        found = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                 if isinstance(getattr(cfg, f.name), jax.Array)}
-        if found:
-            out[name] = found
+    out = {name: {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                  if isinstance(getattr(cfg, f.name), jax.Array)}
+           for name, cfg in opts.configs.items()}
+    out = {name: found for name, found in out.items() if found}
     if isinstance(opts.max_grad_norm, jax.Array):
         out[""] = {"max_grad_norm": opts.max_grad_norm}
     return out

@@ -81,12 +81,10 @@ def chunk_runs(spans: list[tuple[int, int]], matrix_bytes: int,
 
 def kernel_in_loop(stack: Stack, g_all: jax.Array, per: int, hp_all: dict, state: Any,
                    read: Callable, write: Callable, count, scale: jax.Array | None = None):
-    """The rule's kernel on chunks of ``per`` of the matrices ``g_all`` (times ``scale``,
-    if not None) in a ``lax.fori_loop``: a chunk's matrices and hyperparameters sliced from
-    ``g_all`` and ``hp_all``, its state ``read(state, first)`` and written back by
-    ``write(state, first, new, O)`` (``first``: its first matrix). Returns the directions,
-    the state and the ``<U, O>`` (None unless adaptive): the kernel's arithmetic on each
-    chunk alone. The TPU compiler's time grows with the kernels in a program; a loop is one."""
+    """The rule's kernel on chunks of ``per`` of the matrices ``g_all`` (times ``scale``, if
+    not None) in a ``lax.fori_loop`` (the TPU compiler's time grows with the kernels in a
+    program; a loop is one). A chunk's state is ``read(state, first)`` and written back by
+    ``write(state, first, new, O)``. Returns the directions, the state and the ``<U, O>``."""
     leaf_scaled = stack.config.leaf_scaled
 
     def body(i, carry):

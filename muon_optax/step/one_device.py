@@ -1,12 +1,8 @@
-"""The Muon phase on one device: stack -> kernel -> unstack.
-
-Each stack (:mod:`muon_optax.params.layout`) is read as one ``(K, R, C)`` array, runs
-the rule's kernel (:func:`muon_optax.rule.muon.muon_step`) with its state, and is split
-back into its leaves, which take the cautious update in their own layout. Its state is a
-pair of buffers in the stack's layout (:class:`MuonBuffers`), so the kernel updates each
-chunk in place; kept per leaf, the momentum would be stacked into a copy each step
-(benchmarks/state_layout.py).
-"""
+"""The Muon phase on one device: each stack (:mod:`muon_optax.params.layout`) is read as one
+``(K, R, C)`` array, runs the rule's kernel with its state and is split back into its leaves,
+which take the cautious update in their own layout. The state is a pair of buffers in the
+stack's layout (:class:`MuonBuffers`), so the kernel updates each chunk in place; kept per
+leaf, the momentum would be stacked into a copy each step (benchmarks/state_layout.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.params.layout import Stack
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule import polar
 from muon_optax.rule.muon import MuonStackState
@@ -54,15 +49,12 @@ def _chunk_step(sp: StackPlan, bufs: MuonBuffers, g: jax.Array, lo: int, hi: int
 def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_leaves,
                state_muon: tuple[MuonBuffers, ...], scale: jax.Array | None,
                updates: list) -> tuple[MuonBuffers, ...]:
-    """Every Muon leaf on one device: fills ``updates``; returns the new state buffers
-    (one pair per stack). ``scale``: ``max_grad_norm``'s factor, or None.
-
-    CPU and TPU run each stack in chunks of at most :func:`chunk_bytes`, the polar
-    iteration a loop, so the TPU compiler's temporaries scale with one chunk (BENCHMARKS.md,
-    "The TPU compiler"); on TPU, runs of up to :data:`LOOP_CHUNKS` chunks are one kernel in
-    a loop (fewer kernels compile faster). GPUs run each stack whole, the iteration written
-    out: faster there.
-    """
+    """Every Muon leaf on one device: fills ``updates``; returns the new state buffers (one
+    pair per stack). ``scale``: ``max_grad_norm``'s factor, or None. CPU and TPU run each
+    stack in chunks of at most :func:`chunk_bytes`, the polar iteration a loop, so the TPU
+    compiler's temporaries scale with one chunk (BENCHMARKS.md, "The TPU compiler"); on TPU
+    runs of up to :data:`LOOP_CHUNKS` chunks are one kernel in a loop (fewer kernels compile
+    faster). GPUs run each stack whole, the iteration written out: faster there."""
     def form(budget: int, unrolled: bool, loop: int = 0):
         out = list(updates)
         with polar.written_out(unrolled):
@@ -92,11 +84,10 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
                       p_leaves, state_muon: tuple[MuonBuffers, ...], scale: jax.Array | None,
                       updates: list, budget: int, loop_bytes: int = 0
                       ) -> tuple[MuonBuffers, ...]:
-    """Each stack in chunks of at most ``budget`` bytes, one after another; a leaf takes
-    its update once its last matrix is through. Each chunk's stacking copy waits for the
-    previous chunk's updates, so one chunk's temporaries are alive at a time.
-    ``loop_bytes`` (0: off): runs of equal chunks of at most that many bytes together are
-    one kernel in a loop (:func:`_run_in_loop`)."""
+    """Each stack in chunks of at most ``budget`` bytes (runs of equal ones of at most
+    ``loop_bytes`` together one loop, :func:`_run_in_loop`); a leaf takes its update once its
+    last matrix is through. Each chunk's stacking copy waits for the previous chunk's
+    updates, so one chunk's temporaries are alive at a time."""
     bufs, prev = dict(zip(plan.state_keys, state_muon)), None
     for sp in plan.owner.stacks:
         st, pieces, duals = sp.stack, {}, {}
@@ -113,7 +104,13 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
                 outs, bufs[sp.state_key] = _run_in_loop(sp, bufs[sp.state_key], gs, run,
                                                         scale, hps, count)
             for (lo, hi), (o, d) in zip(run, outs):
-                done = _collect(st, member_runs(st, np.arange(lo, hi)), o, d, pieces, duals)
+                parts, first = member_runs(st, np.arange(lo, hi)), 0
+                for i, a, b in parts:   # the chunk's directions (and <U, O>) per member
+                    pieces.setdefault(i, []).append(o[first:first + b - a])
+                    if d is not None:
+                        duals.setdefault(i, []).append(d[first:first + b - a])
+                    first += b - a
+                done = [i for i, a, b in parts if b == st.members[i].batch]
                 for i in done:   # leaves whose matrices are all through
                     m = st.members[i]
                     o_leaf = m.from_stored(jnp.concatenate(pieces.pop(i)))
@@ -122,20 +119,6 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
                                   updates, only=(m,))
                 prev = updates[st.members[done[-1]].index] if done else o
     return tuple(bufs.values())
-
-
-def _collect(st: Stack, parts, o, d, pieces: dict, duals: dict) -> list[int]:
-    """Files a chunk's directions (and ``<U, O>``) under their members; returns the
-    members whose matrices are all through."""
-    first, done = 0, []
-    for i, a, b in parts:
-        pieces.setdefault(i, []).append(o[first:first + b - a])
-        if d is not None:
-            duals.setdefault(i, []).append(d[first:first + b - a])
-        first += b - a
-        if b == st.members[i].batch:
-            done.append(i)
-    return done
 
 
 def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int, int]],

@@ -109,13 +109,10 @@ def dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array, axis
 def member_spans(channel: Channel, k: int, sp: StackPlan, size: int) -> list[list[tuple[int, int]]]:
     """Where stack ``k``'s matrices lie in a device-major buffer laid out as ``channel``:
     per member, ``(device, start)`` of each of its matrices' ``size`` elements."""
-    slot_of, out, first = sp.slot_of(), [], 0
-    for m in sp.stack.members:
-        out.append([(int(sp.owners[i]),
-                     int(channel.offsets[k, int(sp.owners[i])]) + int(slot_of[i]) * size)
-                    for i in range(first, first + m.batch)])
-        first += m.batch
-    return out
+    spans = [(d, int(channel.offsets[k, d]) + j * size)
+             for d, j in zip(sp.owners.tolist(), sp.slot_of().tolist())]
+    ends = np.cumsum([m.batch for m in sp.stack.members]).tolist()
+    return [spans[a:b] for a, b in zip([0] + ends, ends)]
 
 
 def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,

@@ -1,11 +1,8 @@
-"""The sharded Muon phase: every stack's owned slots, on this device.
-
-Per stack, in plan order, a device loads its matrices' gradients through the transports
-(:mod:`muon_optax.step.transport`), runs the rule's kernel on them and their state (read
-from its flat buffers and written back in place) and stores the directions. Slots every
-device owns run batched, the rest under ``lax.cond``; stacks run one after another, so
-one stack's temporaries are alive at a time.
-"""
+"""The sharded Muon phase. Per stack, in plan order, a device loads its owned matrices'
+gradients through the transports (:mod:`muon_optax.step.transport`), runs the rule's kernel
+on them and their state (written back in place into its flat buffers) and stores the
+directions. Slots every device owns run batched, the rest under ``lax.cond``; stacks run
+one after another, so one stack's temporaries are alive at a time."""
 
 from __future__ import annotations
 
@@ -61,10 +58,9 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
 
 
 def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order: bool):
-    """:func:`muon_optax.rule.muon.muon_step` on a slot a device may not own (a ``lax.cond``
-    branch), ``<U, O>`` zeros without ``leaf_scaled`` as in :func:`_skipped`. Its new
-    momentum is written after the ``cond``, so it need not be ordered after ``U``
-    (``order``): on TPU that order cost a kernel a shape; elsewhere it stays."""
+    """The kernel on a slot a device may not own (a ``lax.cond`` branch). Its new momentum is
+    written after the ``cond``, so it need not be ordered after ``U`` (``order``): on TPU
+    that order cost a kernel a shape; elsewhere it stays."""
     o, state, d = cfg.step(g, state, hp, count, dtype, order=order)
     return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
@@ -88,25 +84,12 @@ def _owned(sp: StackPlan, comm: Collectives, j):
     return j < comm.pick(sp.counts)
 
 
-def _base_slots(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hp, comm,
-                count, prev, j0: int, n: int):
-    """Slots ``j0 .. j0+n-1``, which every device owns, as one batched program; the new
-    momentum is written as soon as ``U`` is formed."""
-    at = _state_at(k, sp, plan, comm, j0)
-    (g, carry), state = moves.load(carry, k, j0, n, prev, scale), _read_state(bufs, at, n, sp)
-    o, state, d = sp.stack.config.step(g, state, hp, count, sp.stack.dtype)
-    bufs = MuonBuffers(_write(bufs.momentum, at[0], state.momentum),
-                       _write(bufs.second_moment, at[1], state.second_moment, o))
-    return moves.store(carry, k, j0, o), bufs, o, d
-
-
 def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hps, comm,
                count, prev, run: list[tuple[int, int]]):
-    """Equal chunks ``run`` as one kernel in a loop (:func:`kernel_in_loop`), each chunk's
-    state read and written in place: :func:`_base_slots`' arithmetic on each chunk. The
-    gradients are loaded before the loop and the directions stored after it; an exchange
-    stack's chunk by chunk, since on TPU the kernel that assembles an exchange's matrices
-    grows with how many it reads at once, and chunks of one size share one."""
+    """Equal chunks ``run`` as one kernel in a loop (:func:`kernel_in_loop`), the gradients
+    loaded before it and the directions stored after it; an exchange stack's chunk by chunk,
+    since on TPU the kernel that assembles an exchange's matrices grows with how many it
+    reads at once, and chunks of one size share one."""
     st, lo, per = sp.stack, run[0][0], run[0][1] - run[0][0]
     n = len(run) * per
     extra = lo + n > sp.base     # a slot some devices do not own: masked there (_runs)
@@ -146,13 +129,11 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
 
 
 def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int, int]]]:
-    """Stack ``sp``'s ``base`` slots in chunks of at most :func:`chunk_bytes`; with
-    ``loop_bytes`` (0: off), chunks as equal as their count allows (else of a divisor of
-    the slots up to half as large again, so that no smaller last chunk is a kernel of its
-    own), in runs of equal ones of at most ``loop_bytes``: a run of several is one loop.
-    Where the last chunk is then a lone matrix, the first slot some devices do not own
-    joins it, masked where not owned: one kernel, not two (as masked chunks, other such
-    slots compiled slower and held more)."""
+    """Stack ``sp``'s ``base`` slots in chunks of at most :func:`chunk_bytes`, in runs of equal
+    ones of at most ``loop_bytes`` (0: off), a run of several one loop. With loops, chunks
+    are as equal as their count allows (else of a divisor up to half as large again): no
+    smaller last chunk is a kernel of its own. A lone last matrix takes the first slot some
+    devices do not own, masked there: one kernel, not two (masked chunks compiled slower)."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
     spans = chunks(sp.base, matrix_bytes, chunk_bytes(plan))
     if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
@@ -170,19 +151,22 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
                 bufs: MuonBuffers, hps, comm: Collectives, count, prev, loop_bytes: int):
     """One stack's owned slots: the first ``base`` in :func:`_runs`' chunks one after
     another, the rest one by one, each skipped (``lax.cond``) on devices that own fewer.
-    Returns the ``carry``, the state buffers, the last direction (to sequence the next
-    stack) and the slots' ``<U, O>`` (adaptive)."""
+    Returns the ``carry``, the state buffers, the last direction and the ``<U, O>``."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     runs = _runs(sp, plan, loop_bytes)
     for run in runs:
         if len(run) > 1:
             carry, bufs, prev, d = _base_loop(k, sp, plan, moves, scale, carry, bufs, hps,
                                               comm, count, prev, run)
-        else:
+        else:   # one batched program; the new momentum written as soon as U is formed
             ((lo, hi),) = run
             hp = matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
-            carry, bufs, prev, d = _base_slots(k, sp, plan, moves, scale, carry, bufs, hp,
-                                               comm, count, prev, lo, hi - lo)
+            at = _state_at(k, sp, plan, comm, lo)
+            g, carry = moves.load(carry, k, lo, hi - lo, prev, scale)
+            prev, state, d = cfg.step(g, _read_state(bufs, at, hi - lo, sp), hp, count, dtype)
+            bufs = MuonBuffers(_write(bufs.momentum, at[0], state.momentum),
+                               _write(bufs.second_moment, at[1], state.second_moment, prev))
+            carry = moves.store(carry, k, lo, prev)
         duals.append(d)
     for j in range(max([sp.base] + [run[-1][1] for run in runs]), sp.num_slots):
         owned = _owned(sp, comm, j)
@@ -206,19 +190,16 @@ def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) 
     them: every device's slot values, all-gathered (a few numbers per device)."""
     if not duals:
         return {}
-    offsets, start = {}, 0
-    for k in sorted(duals):
-        offsets[k], start = start, start + plan.owner.stacks[k].num_slots
-    everyone = comm.gather(jnp.concatenate([duals[k] for k in sorted(duals)]), 0)
+    keys = sorted(duals)   # the order they were stepped in
+    offsets = np.cumsum([0] + [plan.owner.stacks[k].num_slots for k in keys]).tolist()
+    everyone = comm.gather(jnp.concatenate([duals[k] for k in keys]), 0)
     out = {}
-    for k in duals:
+    for k, offset in zip(keys, offsets):
         sp = plan.owner.stacks[k]
-        slot_of, first = sp.slot_of(), 0
-        for m in sp.stack.members:
-            idx = [int(sp.owners[i]) * start + offsets[k] + int(slot_of[i])
-                   for i in range(first, first + m.batch)]
-            first += m.batch
-            out[m.index] = jnp.sum(everyone[np.asarray(idx)])
+        idx = sp.owners * offsets[-1] + offset + sp.slot_of()   # each matrix's in everyone
+        starts = np.cumsum([0] + [m.batch for m in sp.stack.members])
+        for m, first in zip(sp.stack.members, starts):
+            out[m.index] = jnp.sum(everyone[idx[first:first + m.batch]])
     return out
 
 
@@ -233,9 +214,8 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
                moves: Transports, scale, g_leaves, p_leaves, state,
                updates: list) -> tuple[MuonBuffers, ...]:
     """Muon leaves, their gradients read through ``moves`` (times ``scale``, the clip
-    factor, if not None): fills ``updates``; returns the new state buffers. On TPU runs
-    of equal chunks are loops (:func:`_base_loop`), as on one chip; elsewhere one kernel
-    a chunk."""
+    factor, if not None): fills ``updates``; returns the new state buffers. On TPU runs of
+    equal chunks are loops (:func:`_base_loop`); elsewhere one kernel a chunk."""
     def form(loop_bytes: int):
         bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
         prev, duals, carry, out = None, {}, moves.empty(), list(updates)

@@ -51,12 +51,11 @@ class MuonAdamWState(NamedTuple):
 def check_state(plan: TreePlan, state: Any, want: Any, name: str,
                  dtypes: Sequence[Any] = ()) -> None:
     """A state made for these params (``dtypes``: theirs) and layout, or a clear error."""
-    got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
     needed = want.layout if isinstance(want, MuonAdamWState) else None
     other_layout = isinstance(state, MuonAdamWState) and state.layout != needed
     if other_layout:   # the leaves first: a shape or dtype says more than a layout
         want = want._replace(layout=state.layout)
-        want_def = jax.tree.structure(want)
+    got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
     if got_def != want_def:
         raise ValueError(f"{name}: the state was made for other params or another optimizer "
                          f"(its structure differs); call tx.init on these params.\n"
