@@ -1,11 +1,9 @@
-"""Who owns which Muon matrix, and where its pieces live on every device.
-
-Each Muon matrix has one *owner* among the ``N`` devices of the owner axes, which holds its
-state and runs its polar iteration; owners are balanced across all stacks by cost
-(:func:`assign_owners`). Every device runs the same program, so uneven ownership lives in
-data: each device's share of a flat buffer lists its matrices stack by stack (a
-*channel*), at offsets read from static tables indexed by the device.
-"""
+"""Who owns which Muon matrix, and where its pieces live on every device. Each Muon matrix
+has one *owner* among the ``N`` devices of the owner axes, which holds its state and runs its
+polar iteration, balanced by cost (:func:`assign_owners`). Every device runs the same
+program, so uneven ownership lives in data: each device's share of a flat buffer lists its
+matrices stack by stack (a *channel*), at offsets read from static tables indexed by the
+device."""
 
 from __future__ import annotations
 
@@ -153,10 +151,8 @@ class OwnerPlan:
 
     def device_flops(self, cost) -> list[float]:
         """Each device's Muon FLOPs, ``cost(stack)`` per matrix."""
-        out = np.zeros(self.num_devices)
-        for sp in self.stacks:
-            out += sp.counts * cost(sp.stack)
-        return out.tolist()
+        return sum((sp.counts * cost(sp.stack) for sp in self.stacks),
+                   np.zeros(self.num_devices)).tolist()
 
     def program_flops(self) -> float:
         """Muon FLOPs in one device's program: every conditional slot counted, as
@@ -265,21 +261,6 @@ def _signature(transport: str, route: Route | None) -> tuple:
     return (transport, route.piece, route.block_size, route.replicas * route.piece)
 
 
-def check_real_float(dtype: Any, path: str, where: str) -> None:
-    """Raises naming ``path`` unless ``dtype`` is real floating: the rule is defined for
-    real params only, and jax would refuse integer ones in ``update``, far from the cause."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
-                        "defined for real params only (the gradient's imaginary part would be "
-                        "dropped). Store it as two real params (real and imaginary parts), or "
-                        "optimize it with another optax transformation (optax.multi_transform).")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{where}: parameter {path!r} is {dtype}, not a floating dtype: it "
-                        "has no gradient to follow. Keep it out of the params tree (e.g. in "
-                        "an nnx.Variable other than nnx.Param), or cast it to float32.")
-
-
 def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                    dimension_numbers: Any, axes: Sequence[tuple[str, int]],
                    specs: Sequence[Spec] | None, threshold: int, where: str) -> TreePlan:
@@ -291,7 +272,18 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
     for path, x in zip(paths, leaves):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{where}: parameter {path!r} is a {type(x).__name__}, not an array.")
-        check_real_float(x.dtype, path, where)
+        # The rule is for real params; jax would refuse integer ones in update, far from here.
+        dtype = jnp.dtype(x.dtype)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
+                            "defined for real params only (the gradient's imaginary part would "
+                            "be dropped). Store it as two real params (real and imaginary parts), "
+                            "or optimize it with another optax transformation "
+                            "(optax.multi_transform).")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{where}: parameter {path!r} is {dtype}, not a floating dtype: it "
+                            "has no gradient to follow. Keep it out of the params tree (e.g. in "
+                            "an nnx.Variable other than nnx.Param), or cast it to float32.")
     specs = list(specs) if specs is not None else [((),) * len(x.shape) for x in leaves]
     labels = flat_labels(param_labels, params, paths, list(configs))
     dims = flat_dimension_numbers(dimension_numbers, params)
