@@ -218,8 +218,8 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
     batch, rows, cols = (math.prod(vshape[a] for a in axes) for axes in (batch_axes, out_v, red_v))
     return MatrixLeaf(index=index, path=path, shape=tuple(vshape), dtype=jnp.dtype(leaf.dtype),
                       group=group, batch_axes=batch_axes, out_axes=out_v, in_axes=red_v,
-                      batch=batch, rows=rows, cols=cols,
-                      leaf_shape=shape, blocks=(int(out_blocks), int(red_blocks)),
+                      batch=batch, rows=rows, cols=cols, leaf_shape=shape,
+                      blocks=(int(out_blocks), int(red_blocks)),
                       splits=tuple((a, shape[a] // split[a]) for a in sorted(split)))
 
 

@@ -160,13 +160,14 @@ class OwnerPlan:
         return float(sum(sp.num_slots * executed_flops(sp.stack) for sp in self.stacks))
 
 
-def _channels(stacks: tuple[StackPlan, ...], key_of, size_of) -> dict[Any, Channel]:
-    """One channel per ``key_of(stack plan)`` (None: in none), its stacks' slots back to
-    back in every device's share, in stack order."""
+def _channels(stacks: tuple[StackPlan, ...], size_of,
+              transport: str | None = None) -> dict[Any, Channel]:
+    """One channel per grad dtype of the ``transport`` stacks (None: per ``state_key`` of
+    all stacks), its stacks' slots back to back in every device's share, in stack order."""
     by_key: dict[Any, list[int]] = {}
     for k, sp in enumerate(stacks):
-        if key_of(sp) is not None:
-            by_key.setdefault(key_of(sp), []).append(k)
+        if transport is None or sp.transport == transport:
+            by_key.setdefault(sp.state_key if transport is None else sp.stack.dtype, []).append(k)
     channels = {}
     for key, members in by_key.items():
         offsets = np.zeros((len(stacks), stacks[0].slots.shape[0]), np.int64)
@@ -177,10 +178,6 @@ def _channels(stacks: tuple[StackPlan, ...], key_of, size_of) -> dict[Any, Chann
             used = used + stacks[k].counts * sizes[k]
         channels[key] = Channel(tuple(members), offsets, tuple(sizes), int(used.max()))
     return channels
-
-
-def _dtype_if(kind: str):
-    return lambda sp: sp.stack.dtype if sp.transport == kind else None
 
 
 def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
@@ -200,14 +197,12 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
     per_stack = np.split(owners, np.cumsum([st.size for st in stacks])[:-1])
     plans = tuple(StackPlan(st, kind, tuple(r), own, slots_from_owners(own, num_devices))
                   for st, kind, r, own in zip(stacks, transports, routes, per_stack))
-    matrix_size = lambda sp: sp.stack.rows * sp.stack.cols  # noqa: E731
-    state_key = lambda sp: sp.state_key  # noqa: E731
     return OwnerPlan(num_devices, plans,
-                     gather=_channels(plans, _dtype_if(GATHER), matrix_size),
-                     exchange=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.piece),
-                     back=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.block_size),
-                     momentum=_channels(plans, state_key, matrix_size),
-                     second=_channels(plans, state_key, lambda sp: sp.second_size))
+                     gather=_channels(plans, lambda sp: sp.stack.rows * sp.stack.cols, GATHER),
+                     exchange=_channels(plans, lambda sp: sp.route.piece, EXCHANGE),
+                     back=_channels(plans, lambda sp: sp.route.block_size, EXCHANGE),
+                     momentum=_channels(plans, lambda sp: sp.stack.rows * sp.stack.cols),
+                     second=_channels(plans, lambda sp: sp.second_size))
 
 
 @dataclasses.dataclass(frozen=True)
