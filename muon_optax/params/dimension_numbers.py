@@ -1,12 +1,6 @@
-"""Which axes of a parameter are Muon's matrix sides, and into how many blocks each is cut.
-
-:class:`MuonDimensionNumbers` is ``optax.contrib.MuonDimensionNumbers`` plus two block
-counts (per-head Muon, Group Muon, fused QKV or gate/up): each matrix is cut into
-``output_blocks`` equal runs of rows and ``reduction_blocks`` of columns, and every block
-is one Muon matrix. A side of several axes (``(heads, head_dim)``) is flattened in the
-order given, so ``output_blocks=heads`` cuts at heads. Experts ``(E, in, out)`` need no
-blocks: ``E`` is a batch axis.
-"""
+"""Which axes of a parameter are Muon's matrix sides, and into how many blocks each is cut
+(per-head Muon, Group Muon, fused QKV or gate/up: every block is one Muon matrix). Experts
+``(E, in, out)`` need no blocks: ``E`` is a batch axis."""
 
 from __future__ import annotations
 

@@ -165,11 +165,10 @@ def attention_dimension_numbers(paths: Sequence[str],
     index = {path: i for i, path in enumerate(paths)}
     found: dict[int, Any] = {}
     for path, i in index.items():
-        if not (path == "query/kernel" or path.endswith("/query/kernel")):
+        if not ("/" + path).endswith("/query/kernel"):
             continue
-        prefix = path[:-len("query/kernel")]
+        prefix, q_shape = path[:-len("query/kernel")], shapes[i]
         out = index.get(prefix + "out/kernel")
-        q_shape = shapes[i]
         if out is None or len(q_shape) < 3 or len(shapes[out]) != len(q_shape) \
                 or shapes[out][-3:-1] != q_shape[-2:]:
             continue

@@ -1,24 +1,15 @@
-"""How Muon sees a parameter: matrices, their orientation, and the stacks they join
-(static: from shapes, dtypes and labels).
-
-The rule's matrix has ``R`` rows = output features and ``C`` columns = input features
-(PyTorch's ``(out, in)``). ``MuonDimensionNumbers`` map a leaf of any rank to a batch of
-them; by default the last two axes are ``(in, out)`` (Flax ``Dense``) and leading axes
-(a scanned layer stack) are batch axes. A block split reshapes the cut axis ``n`` into
-``(blocks, n / blocks)``, the first a batch axis: a :class:`MatrixLeaf` is this *block
-view*, and everything after it sees only blocks.
-
-A matrix is stored in its leaf's axis order, so a Flax ``(in, out)`` kernel is stored as
-the transpose ``(C, R)`` (``transposed``): the stored view is a reshape, never a copy (on
-TPU a transpose is one). The polar iteration commutes with transposition; the steps that
-do not (row equilibration, NorMuon's axis, the aspect-ratio factor) read a per-matrix
-flag. Matrices of the same stored shape, dtype and static options form one stack
-``(K, R, C)``: one batched program across groups and orientations.
+"""How Muon sees a parameter: matrices of ``R`` rows = output features by ``C`` columns =
+input features, and the stacks they join (static: from shapes, dtypes and labels). A block
+split reshapes a cut axis ``n`` into ``(blocks, n / blocks)``, the first a batch axis: a
+:class:`MatrixLeaf` is this *block view*. A matrix is stored in its leaf's axis order (a
+Flax ``(in, out)`` kernel as ``(C, R)``: a reshape, never a copy, where a transpose would
+be one on TPU); the steps that do not commute with transposition read a per-matrix flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -224,11 +215,11 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
                                if a not in red + out or a in blocked]))
     red_v = tuple(at[a][-1] for a in red if a not in whole_r)
     out_v = tuple(at[a][-1] for a in out if a not in whole_o)
-    size = lambda axes: math.prod(vshape[a] for a in axes)  # noqa: E731
+    batch, rows, cols = (math.prod(vshape[a] for a in axes) for axes in (batch_axes, out_v, red_v))
     return MatrixLeaf(index=index, path=path, shape=tuple(vshape), dtype=jnp.dtype(leaf.dtype),
                       group=group, batch_axes=batch_axes, out_axes=out_v, in_axes=red_v,
-                      batch=size(batch_axes), rows=size(out_v), cols=size(red_v),
-                      leaf_shape=shape, blocks=(int(out_blocks), int(red_blocks)),
+                      batch=batch, rows=rows, cols=cols, leaf_shape=shape,
+                      blocks=(int(out_blocks), int(red_blocks)),
                       splits=tuple((a, shape[a] // split[a]) for a in sorted(split)))
 
 
@@ -289,11 +280,8 @@ class Stack:
 
     def unstack(self, stacked: jax.Array) -> list[jax.Array]:
         """Members' leaf-shaped arrays from a ``(K, R, C)`` stack."""
-        out, offset = [], 0
-        for m in self.members:
-            out.append(m.from_stored(stacked[offset:offset + m.batch]))
-            offset += m.batch
-        return out
+        ends = itertools.accumulate(m.batch for m in self.members)
+        return [m.from_stored(stacked[end - m.batch:end]) for m, end in zip(self.members, ends)]
 
 
 def plan_stacks(leaves: Sequence[MatrixLeaf], configs: dict[str, Any],

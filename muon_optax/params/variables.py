@@ -1,10 +1,8 @@
-"""Flax NNX ``Variable`` boxes in the trees users pass, and ``nnx.Optimizer``'s state.
-
-``nnx.Optimizer`` calls ``tx.init`` with ``nnx.Param`` boxes but ``tx.update`` with plain
-arrays. Argument trees (labels, dimension numbers, param specs) are read unboxed against
-the unboxed params, so boxed and plain trees mix; params, gradients and states keep their
-form. Without ``flax.nnx`` imported no tree can hold a box, and nothing is done.
-"""
+"""Flax NNX ``Variable`` boxes in the trees users pass, and ``nnx.Optimizer``'s state (whose
+``tx.init`` sees ``nnx.Param`` boxes, ``tx.update`` plain arrays). Argument trees (labels,
+dimension numbers, param specs) are read unboxed against the unboxed params, so boxed and
+plain trees mix; params, gradients and states keep their form. Without ``flax.nnx``
+imported no tree can hold a box, and nothing is done."""
 
 from __future__ import annotations
 

@@ -18,49 +18,41 @@ def lower_bound(costs: np.ndarray, n: int) -> float:
     return bound
 
 
-def _greedy(order: list[int], flops: np.ndarray, state: np.ndarray, owners: np.ndarray,
-            n: int, balance_both: bool) -> np.ndarray:
-    """Each matrix of ``order`` to the least loaded device: by FLOPs (ties: state, then
-    index), or by the larger of its FLOPs and state loads, each over its lower bound."""
-    owners = owners.copy()
-    load, held = np.zeros(n), np.zeros(n)
-    np.add.at(load, owners[owners >= 0], flops[owners >= 0])
-    np.add.at(held, owners[owners >= 0], state[owners >= 0])
-    f_bound, s_bound = lower_bound(flops, n), lower_bound(state, n)
-    index = np.arange(n)
-    for i in order:
-        if balance_both:
-            after = np.maximum((load + flops[i]) / f_bound, (held + state[i]) / s_bound)
-            d = np.lexsort((index, load + held, after))[0]
-        else:
-            d = np.lexsort((index, held, load))[0]
-        owners[i] = d
-        load[d] += flops[i]
-        held[d] += state[i]
-    return owners
-
-
 def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: int,
                   fixed: Sequence[int] | None = None) -> np.ndarray:
-    """Owner of every matrix: greedy longest-processing-time across all stacks, most
-    expensive first (FLOPs, then state), each to the device with the least work so far
-    (ties: least state, lowest index). Where FLOPs and state disagree (many tiny matrices
-    beside a few large ones), a second greedy balancing both over their lower bounds can
-    do better: the one with the smaller worse ratio is kept. ``fixed[i] >= 0`` pins
-    matrix ``i`` to that device (it already lives there)."""
+    """Owner of every matrix: greedy longest-processing-time across all stacks, each to the
+    device with the least FLOPs so far. Where FLOPs and state disagree (many tiny matrices
+    beside a few large ones), a greedy balancing both over their lower bounds can do better:
+    the one with the smaller worse ratio is kept. ``fixed[i] >= 0`` pins matrix ``i`` to
+    that device (it already lives there)."""
     flops, state = np.asarray(flops, float), np.asarray(state, float)
     owners = np.full(len(flops), -1, np.int64) if fixed is None else np.asarray(fixed, np.int64)
     order = sorted(np.flatnonzero(owners < 0).tolist(), key=lambda i: (-flops[i], -state[i], i))
     f_bound, s_bound = lower_bound(flops, num_devices), lower_bound(state, num_devices)
+    pinned, index = owners >= 0, np.arange(num_devices)
+
+    def greedy(balance_both: bool) -> np.ndarray:
+        out = owners.copy()
+        load, held = np.zeros(num_devices), np.zeros(num_devices)
+        np.add.at(load, owners[pinned], flops[pinned])
+        np.add.at(held, owners[pinned], state[pinned])
+        for i in order:
+            if balance_both:
+                after = np.maximum((load + flops[i]) / f_bound, (held + state[i]) / s_bound)
+                d = np.lexsort((index, load + held, after))[0]
+            else:
+                d = np.lexsort((index, held, load))[0]
+            out[i] = d
+            load[d] += flops[i]
+            held[d] += state[i]
+        return out
 
     def worst(o: np.ndarray) -> float:
         f = np.bincount(o, flops, minlength=num_devices).max() / f_bound
         s = np.bincount(o, state, minlength=num_devices).max() / s_bound
         return max(f, s)
 
-    candidates = [_greedy(order, flops, state, owners, num_devices, both)
-                  for both in (False, True)]
-    return min(candidates, key=worst) if len(flops) else owners
+    return min([greedy(False), greedy(True)], key=worst) if len(flops) else owners
 
 
 def slots_from_owners(owners: np.ndarray, num_devices: int) -> np.ndarray:

@@ -1,11 +1,9 @@
-"""Who owns which Muon matrix, and where its pieces live on every device.
-
-Each Muon matrix has one *owner* among the ``N`` devices of the owner axes, which holds its
-state and runs its polar iteration; owners are balanced across all stacks by cost
-(:func:`assign_owners`). Every device runs the same program, so uneven ownership lives in
-data: each device's share of a flat buffer lists its matrices stack by stack (a
-*channel*), at offsets read from static tables indexed by the device.
-"""
+"""Who owns which Muon matrix, and where its pieces live on every device. Each Muon matrix
+has one *owner* among the ``N`` devices of the owner axes, which holds its state and runs its
+polar iteration, balanced by cost (:func:`assign_owners`). Every device runs the same
+program, so uneven ownership lives in data: each device's share of a flat buffer lists its
+matrices stack by stack (a *channel*), at offsets read from static tables indexed by the
+device."""
 
 from __future__ import annotations
 
@@ -153,10 +151,8 @@ class OwnerPlan:
 
     def device_flops(self, cost) -> list[float]:
         """Each device's Muon FLOPs, ``cost(stack)`` per matrix."""
-        out = np.zeros(self.num_devices)
-        for sp in self.stacks:
-            out += sp.counts * cost(sp.stack)
-        return out.tolist()
+        return sum((sp.counts * cost(sp.stack) for sp in self.stacks),
+                   np.zeros(self.num_devices)).tolist()
 
     def program_flops(self) -> float:
         """Muon FLOPs in one device's program: every conditional slot counted, as
@@ -164,13 +160,14 @@ class OwnerPlan:
         return float(sum(sp.num_slots * executed_flops(sp.stack) for sp in self.stacks))
 
 
-def _channels(stacks: tuple[StackPlan, ...], key_of, size_of) -> dict[Any, Channel]:
-    """One channel per ``key_of(stack plan)`` (None: in none), its stacks' slots back to
-    back in every device's share, in stack order."""
+def _channels(stacks: tuple[StackPlan, ...], size_of,
+              transport: str | None = None) -> dict[Any, Channel]:
+    """One channel per grad dtype of the ``transport`` stacks (None: per ``state_key`` of
+    all stacks), its stacks' slots back to back in every device's share, in stack order."""
     by_key: dict[Any, list[int]] = {}
     for k, sp in enumerate(stacks):
-        if key_of(sp) is not None:
-            by_key.setdefault(key_of(sp), []).append(k)
+        if transport is None or sp.transport == transport:
+            by_key.setdefault(sp.state_key if transport is None else sp.stack.dtype, []).append(k)
     channels = {}
     for key, members in by_key.items():
         offsets = np.zeros((len(stacks), stacks[0].slots.shape[0]), np.int64)
@@ -181,10 +178,6 @@ def _channels(stacks: tuple[StackPlan, ...], key_of, size_of) -> dict[Any, Chann
             used = used + stacks[k].counts * sizes[k]
         channels[key] = Channel(tuple(members), offsets, tuple(sizes), int(used.max()))
     return channels
-
-
-def _dtype_if(kind: str):
-    return lambda sp: sp.stack.dtype if sp.transport == kind else None
 
 
 def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
@@ -204,14 +197,12 @@ def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
     per_stack = np.split(owners, np.cumsum([st.size for st in stacks])[:-1])
     plans = tuple(StackPlan(st, kind, tuple(r), own, slots_from_owners(own, num_devices))
                   for st, kind, r, own in zip(stacks, transports, routes, per_stack))
-    matrix_size = lambda sp: sp.stack.rows * sp.stack.cols  # noqa: E731
-    state_key = lambda sp: sp.state_key  # noqa: E731
     return OwnerPlan(num_devices, plans,
-                     gather=_channels(plans, _dtype_if(GATHER), matrix_size),
-                     exchange=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.piece),
-                     back=_channels(plans, _dtype_if(EXCHANGE), lambda sp: sp.route.block_size),
-                     momentum=_channels(plans, state_key, matrix_size),
-                     second=_channels(plans, state_key, lambda sp: sp.second_size))
+                     gather=_channels(plans, lambda sp: sp.stack.rows * sp.stack.cols, GATHER),
+                     exchange=_channels(plans, lambda sp: sp.route.piece, EXCHANGE),
+                     back=_channels(plans, lambda sp: sp.route.block_size, EXCHANGE),
+                     momentum=_channels(plans, lambda sp: sp.stack.rows * sp.stack.cols),
+                     second=_channels(plans, lambda sp: sp.second_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,21 +256,6 @@ def _signature(transport: str, route: Route | None) -> tuple:
     return (transport, route.piece, route.block_size, route.replicas * route.piece)
 
 
-def check_real_float(dtype: Any, path: str, where: str) -> None:
-    """Raises naming ``path`` unless ``dtype`` is real floating: the rule is defined for
-    real params only, and jax would refuse integer ones in ``update``, far from the cause."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
-                        "defined for real params only (the gradient's imaginary part would be "
-                        "dropped). Store it as two real params (real and imaginary parts), or "
-                        "optimize it with another optax transformation (optax.multi_transform).")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{where}: parameter {path!r} is {dtype}, not a floating dtype: it "
-                        "has no gradient to follow. Keep it out of the params tree (e.g. in "
-                        "an nnx.Variable other than nnx.Param), or cast it to float32.")
-
-
 def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                    dimension_numbers: Any, axes: Sequence[tuple[str, int]],
                    specs: Sequence[Spec] | None, threshold: int, where: str) -> TreePlan:
@@ -291,7 +267,18 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
     for path, x in zip(paths, leaves):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{where}: parameter {path!r} is a {type(x).__name__}, not an array.")
-        check_real_float(x.dtype, path, where)
+        # The rule is for real params; jax would refuse integer ones in update, far from here.
+        dtype = jnp.dtype(x.dtype)
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
+                            "defined for real params only (the gradient's imaginary part would "
+                            "be dropped). Store it as two real params (real and imaginary parts), "
+                            "or optimize it with another optax transformation "
+                            "(optax.multi_transform).")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{where}: parameter {path!r} is {dtype}, not a floating dtype: it "
+                            "has no gradient to follow. Keep it out of the params tree (e.g. in "
+                            "an nnx.Variable other than nnx.Param), or cast it to float32.")
     specs = list(specs) if specs is not None else [((),) * len(x.shape) for x in leaves]
     labels = flat_labels(param_labels, params, paths, list(configs))
     dims = flat_dimension_numbers(dimension_numbers, params)

@@ -1,11 +1,8 @@
-"""A Muon leaf's *transport*, from its layout over the owner axes (how each moves:
-``step/transport.py``):
-
-- ``"gather"``: whole on every device (replicated params, ZeRO-2);
-- ``"exchange"``: its matrix axes split (FSDP, tensor parallel, both): every holder sends
-  the owner an equal piece;
-- ``"local"``: its batch (layer) axes split over all owner axes: nothing moves.
-"""
+"""A Muon leaf's *transport*, from its layout over the owner axes (moved by
+``step/transport.py``): ``"gather"``, whole on every device (replicated params, ZeRO-2);
+``"exchange"``, its matrix axes split (FSDP, tensor parallel, both): every holder sends the
+owner an equal piece; ``"local"``, its batch (layer) axes split over all owner axes: nothing
+moves."""
 
 from __future__ import annotations
 
@@ -88,16 +85,12 @@ def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
         return LOCAL, None
     grid = tuple(math.prod(sizes[a] for a in spec[i]) for i in matrix_axes)
     replica_axes = [name for name, _ in axes if name not in matrix_split]
-    block_of, replica_of = [], []
-    for d in range(n):
-        coords = device_coords(d, axes)
-        index = 0
-        for i, g in zip(matrix_axes, grid):
-            index = index * g + _linear(coords, spec[i], sizes)
-        block_of.append(index)
-        replica_of.append(_linear(coords, replica_axes, sizes))
+    # Blocks row-major over the matrix axes, each split major first: one number over all.
+    coords = [device_coords(d, axes) for d in range(n)]
+    block_of = tuple(_linear(c, matrix_split, sizes) for c in coords)
+    replica_of = tuple(_linear(c, replica_axes, sizes) for c in coords)
     return EXCHANGE, Route(tuple(leaf.shape[i] for i in matrix_axes), grid,
-                           n // math.prod(grid), tuple(block_of), tuple(replica_of))
+                           n // math.prod(grid), block_of, replica_of)
 
 
 def local_holders(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],

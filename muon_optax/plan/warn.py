@@ -12,12 +12,12 @@ import jax
 _INTERNAL = ("muon_optax", "jax", "jaxlib", "optax", "flax", "contextlib", "functools")
 
 
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
+def warn(message: str) -> None:
     """``warnings.warn`` at the first frame outside ``_INTERNAL``: the user's line."""
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _INTERNAL:
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
+    warnings.warn(message, stacklevel=level)
 
 
 def warn_if_split(leaves: list[Any], paths: list[str], name: str) -> None:
