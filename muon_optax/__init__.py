@@ -1,11 +1,6 @@
-"""muon_optax: nanochat's Muon + AdamW optimizer for JAX, as optax transformations.
-
-    tx = muon_optax.muon_adamw(groups, muon_optax.label_by_path(rules))
-    state = tx.init(params)
-    updates, state = tx.update(grads, state, params)
-
-See the README for nanochat's ``param_groups``. Each folder imports only from itself and
-those above it here (``tests/test_package.py`` checks it):
+"""muon_optax: nanochat's Muon + AdamW optimizer for JAX, as optax transformations (usage:
+the README). Each folder imports only from itself and those above it here
+(``tests/test_package.py`` checks it):
 
     rule/    nanochat's rule on arrays: coefficients, polar iteration, Muon and AdamW
              kernels, the groups' hyperparameters; optax's and torch's (contrib.py)

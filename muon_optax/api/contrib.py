@@ -14,10 +14,6 @@ with the engine's stacking of same-shape matrices, sharding (``axis_name``, ``me
                                                   sqrt(max(in, out)) * consistent_rms
     other leaves: optax.adamw(adam_learning_rate or learning_rate, adam_b1, adam_b2,
       eps, adam_eps_root, adam_weight_decay, mu_dtype, nesterov)
-
-It maps onto a :class:`~muon_optax.rule.contrib.ContribConfig` (the rule's kernel), a copy
-without decay for the Muon leaves ``weight_decay_mask`` leaves out (sharing their stacks),
-and an :class:`~muon_optax.rule.hparams.AdamWConfig` with optax's Adam options.
 """
 
 import dataclasses
@@ -36,7 +32,6 @@ from muon_optax.params.dimension_numbers import (
     is_dimension_numbers,
 )
 from muon_optax.params.labels import path_str
-from muon_optax.plan.specs import check_owner_args
 from muon_optax.rule.coefficients import (
     DION_COEFFS,
     POLAR_EXPRESS_COEFFS,
@@ -261,9 +256,8 @@ def contrib_muon(
         ADAM: AdamWConfig.make(adam_lr, (adam_b1, adam_b2), eps, adam_weight_decay,
                                where=f"{where} (its Adam)", eps_root=adam_eps_root,
                                nesterov=nesterov, mu_dtype=mu_dtype, optax_ema=True)}
-    if weight_decay_mask is not None:
+    if weight_decay_mask is not None:   # undecayed Muon leaves (stacked with the decayed ones)
         configs[MUON_NO_DECAY] = dataclasses.replace(muon_cfg, weight_decay=0.0)
-    check_owner_args(axis_name, mesh, where)
     split = _Split(muon_weight_dimension_numbers, weight_decay_mask)
     tx = build(configs, split.labels, dimension_numbers=split.dimension_numbers,
                axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where,

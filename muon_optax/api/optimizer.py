@@ -26,6 +26,9 @@ def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
           name: str = "muon_adamw", max_grad_norm: Any = None,
           skip_nonfinite: bool = False) -> optax.GradientTransformation:
     """The engine as an optax transformation, for any groups (every constructor's)."""
+    check_owner_args(axis_name, mesh, name)
+    if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
+        raise TypeError("small_param_threshold must be an int (elements).")
     max_grad_norm = check_options(max_grad_norm, skip_nonfinite, name)
     opts = Options(dict(configs), param_labels, dimension_numbers, owner_axes(axis_name), mesh,
                    param_specs, small_param_threshold, name, max_grad_norm, skip_nonfinite)
@@ -94,11 +97,7 @@ def muon_adamw(
             "of a group may be an optax schedule, e.g. dict(kind='muon', "
             "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
             "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
-    configs = parse_groups(groups)
-    check_owner_args(axis_name, mesh, "muon_adamw")
-    if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
-        raise TypeError("small_param_threshold must be an int (elements).")
-    return build(configs, param_labels, dimension_numbers=dimension_numbers,
+    return build(parse_groups(groups), param_labels, dimension_numbers=dimension_numbers,
                  axis_name=axis_name, mesh=mesh, param_specs=param_specs,
                  small_param_threshold=small_param_threshold, max_grad_norm=max_grad_norm,
                  skip_nonfinite=skip_nonfinite)
@@ -168,7 +167,6 @@ def muon(
                           renormalize, compute_dtype, polar_method, ns_coeffs=ns_coeffs,
                           nesterov=nesterov, normuon=normuon, cautious=cautious,
                           preconditioning=preconditioning, mu_dtype=mu_dtype, where="muon")
-    check_owner_args(axis_name, mesh, "muon")
     return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
                  dimension_numbers=dimension_numbers, axis_name=axis_name, mesh=mesh,
                  param_specs=param_specs, name="muon", max_grad_norm=max_grad_norm,
@@ -204,7 +202,6 @@ def adamw(
       An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
     """
     cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
-    check_owner_args(axis_name, mesh, "adamw")
     return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params),
                  axis_name=axis_name, mesh=mesh, param_specs=param_specs, name="adamw",
                  max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)

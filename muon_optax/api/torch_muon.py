@@ -26,7 +26,6 @@ import optax
 from muon_optax.api.optimizer import build
 from muon_optax.params.dimension_numbers import MuonDimensionNumbers
 from muon_optax.params.labels import path_str
-from muon_optax.plan.specs import check_owner_args
 from muon_optax.rule.contrib import ContribConfig
 from muon_optax.rule.hparams import Scalar
 
@@ -88,17 +87,14 @@ def torch_muon(
 
     Every leaf is a Muon matrix in PyTorch's ``(out, in)`` layout (leading axes batch);
     give vectors and scalars to another optimizer (``optax.partition``), as with torch.
-    Arguments as ``torch.optim.Muon`` (the rule: the module docstring):
+    Arguments as ``torch.optim.Muon`` (the rule: the module docstring), then the engine's
+    additions (as in :func:`muon_optax.muon`).
 
     Args:
       lr: learning rate, or an optax schedule of the step count (torch's LR schedulers).
       weight_decay: decoupled decay at the raw ``lr`` (not the shape-adjusted one).
       momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn: as in the rule
         above (``None`` is ``"original"``).
-
-    And the engine's additions (as in :func:`muon_optax.muon`):
-
-    Args:
       dimension_numbers: ``MuonDimensionNumbers`` (a tree of them or a callable; blocks
         allowed); default ``(reduction_axis=-1, output_axis=-2)``.
       compute_dtype: dtype of the Newton-Schulz iteration; default float32 on CPU,
@@ -123,7 +119,6 @@ def torch_muon(
         lr, momentum, weight_decay, _coefficients(ns_coefficients, ns_steps), eps=eps,
         nesterov=nesterov, compute_dtype=compute_dtype, adam=False,
         consistent_rms=ADJUST_LR_FNS[adjust_lr_fn], where=_WHERE)
-    check_owner_args(axis_name, mesh, _WHERE)
     dimension_numbers = PYTORCH_LAYOUT if dimension_numbers is None else dimension_numbers
     return build({"muon": cfg}, _labels, dimension_numbers=dimension_numbers,
                  axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=_WHERE,

@@ -35,9 +35,9 @@ class Init:
         return state_partition_specs(plan, opts.axes, skipped=opts.skip_nonfinite)
 
     def __call__(self, params: Any) -> MuonAdamWState:
-        rec = recorder()
-        if rec is not None:   # muon_optax.state_specs looking inside a wrapper
-            return rec.record(self, params)
+        record = recorder()
+        if record is not None:   # muon_optax.state_specs looking inside a wrapper
+            return record(self, params)
         return self._fn(params)
 
     def global_shapes(self, params: Any,

@@ -4,22 +4,14 @@ optax's Muon is ``optax.partition`` of two chains, so its state is
 
     PartitionState({"muon": MaskedState((MuonState(count, mu, ns_coeffs), EmptyState(),
                                           <decay>, <lr>)),
-                    "adam": MaskedState((ScaleByAdamState(count, mu, nu), EmptyState(),
-                                          <lr>))})
+                    "adam": MaskedState((ScaleByAdamState(count, mu, nu), <decay>, <lr>))})
 
-with ``MaskedNode()`` at the other side's leaves, ``<decay>`` an ``EmptyState()`` (in a
-``MaskedState`` with ``weight_decay_mask``) and ``<lr>`` an ``EmptyState()`` or, for a
-schedule, ``ScaleByScheduleState(count)``. The numbers are
-:func:`muon_optax.export_state`'s portable form under other names, except:
-
-- optax counts steps in each part; muon_optax keeps one, so differing counts are refused;
-- ``MuonState.ns_coeffs`` must be the coefficients ``tx`` runs;
-- what optax's state does not show is not checked (``adaptive``, ``preconditioning``,
-  ``beta``, ``eps``, ``consistent_rms``, the decay and Adam numbers);
-- ``skip_nonfinite``'s count has no place there: an export drops it, an import starts at 0.
-
-In a wrapper (``optax.chain``, ``optax.inject_hyperparams``, ...) the conversion replaces
-the wrapped state's subtree and keeps the wrapper's own part.
+with ``MaskedNode()`` at the other side's leaves, ``<decay>`` and ``<lr>`` an
+``EmptyState()`` or, for a schedule, its count (Muon's ``<decay>`` in a ``MaskedState``
+with ``weight_decay_mask``): :func:`muon_optax.export_state`'s portable form under other
+names. What optax's state does not show is not checked (``adaptive``,
+``preconditioning``, ``beta``, ``eps``, ``consistent_rms``, the decay and Adam numbers);
+``skip_nonfinite``'s count has no place there: an export drops it, an import starts at 0.
 """
 
 from __future__ import annotations

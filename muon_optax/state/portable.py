@@ -1,20 +1,9 @@
 """Optimizer state that moves between device counts and sharding modes.
 
 The Muon state's flat per-device buffers depend on the device count, the owner plan and
-the params' layouts, and large AdamW moments may be padded. The portable form holds the
-same numbers per parameter, in the parameter's own layout:
-
-    {"count": int32 scalar,
-     "mu", "nu": AdamW moments (params' structure; None at Muon leaves),
-     "momentum": Muon momentum (params' structure, leaf-shaped; None at AdamW leaves),
-     "second_moment": NorMuon's, likewise, the averaged side's axes of length 1 (a leaf
-                       cut into blocks: its block view, so it imports only where given
-                       the same blocks),
-     "skipped": int32 scalar, steps skipped as non-finite (only with skip_nonfinite=True)}
-
-:func:`export_state` and :func:`import_state` are pure functions of global arrays (eager
-or under ``jax.jit``): a state written on N devices continues on M, in any mode, exactly
-as if uninterrupted.
+the params' layouts, and large AdamW moments may be padded: :func:`export_state` gives the
+same numbers per parameter, in the parameter's own layout, and :func:`import_state` takes
+them back, both pure functions of global arrays (eager or under ``jax.jit``).
 """
 
 from __future__ import annotations
@@ -83,19 +72,20 @@ def _explicit_mesh(tx: Any, trees: Any) -> Any:
     return None
 
 
+def _tree(plan: TreePlan, at: dict[int, Any]) -> Any:
+    """The params' tree with ``at[i]`` at leaf ``i``, None elsewhere."""
+    return plan.treedef.unflatten([at.get(i) for i in range(len(plan.paths))])
+
+
 def _portable_specs(plan: TreePlan, skipped: bool) -> dict[str, Any]:
     """The portable form's layouts: each moment like its param (an AdamW moment split by
     the owner plan, and NorMuon's statistics, replicated); None where it has no leaf."""
-    def tree(leaves: Any, spec_of: Any) -> Any:
-        flat = [None] * len(plan.paths)
-        for x in leaves:
-            flat[x.index] = spec_of(x)
-        return plan.treedef.unflatten(flat)
-
-    like = lambda x: to_partition_spec(plan.specs[x.index])  # noqa: E731
-    adamw = tree(plan.adamw, lambda a: like(a) if a.local else P())
-    out = {"count": P(), "mu": adamw, "nu": adamw, "momentum": tree(plan.muon, like),
-           "second_moment": tree(plan.muon, lambda m: P())}
+    adamw = _tree(plan, {a.index: to_partition_spec(plan.specs[a.index]) if a.local else P()
+                         for a in plan.adamw})
+    out = {"count": P(), "mu": adamw, "nu": adamw,
+           "momentum": _tree(plan, {m.index: to_partition_spec(plan.specs[m.index])
+                                    for m in plan.muon}),
+           "second_moment": _tree(plan, {m.index: P() for m in plan.muon})}
     if skipped:
         out["skipped"] = P()
     return out
@@ -145,6 +135,18 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
       as_optax: for a :func:`muon_optax.contrib_muon` (alone or wrapped), return the
         state ``optax.contrib.muon`` with the same arguments (wrapped the same way) would
         have, to continue the run on optax (``state/optax_state.py``).
+
+    Returns:
+      The portable form, which continues on any device count and mode exactly as if
+      uninterrupted::
+
+        {"count": int32 scalar,
+         "mu", "nu": AdamW moments (params' structure; None at Muon leaves),
+         "momentum": Muon momentum (params' structure, leaf-shaped; None at AdamW leaves),
+         "second_moment": NorMuon's, likewise, the averaged side's axes of length 1 (a
+                          leaf cut into blocks: its block view, so it imports only where
+                          given the same blocks),
+         "skipped": int32 scalar, steps skipped as non-finite (only with skip_nonfinite)}
     """
     if as_optax:
         return export_optax_state(tx, state, params, num_devices=num_devices)
@@ -166,10 +168,9 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
 
 
 def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
-    """The device count a ZeRO-2 state was made for: the owner axes' size in the mesh its
-    arrays lie on; else the smallest count (a divisor of the first buffer's size) whose
-    plan gives its Muon buffers their sizes; else (AdamW leaves only, traced) one device
-    if that fits (their portable form is then the same for any count)."""
+    """The device count a ZeRO-2 state was made for: its mesh's, else the smallest whose
+    plan gives its Muon buffers their sizes, else 1 where that fits (AdamW leaves only,
+    traced: their portable form is the same for any count)."""
     axes = tx.init.options.axes
     for x in jax.tree.leaves(state):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
@@ -204,20 +205,18 @@ def _export(plan: TreePlan, state: MuonAdamWState) -> dict[str, Any]:
         crop = tuple(slice(0, n) for n in a.shape)
         mu[a.index], nu[a.index] = state_mu[a.index][crop], state_nu[a.index][crop]
     bufs = dict(zip(plan.state_keys, state.muon))
-
-    def tree(at):
-        return plan.treedef.unflatten([at.get(i) for i in range(len(plan.paths))])
-
-    out = {"count": state.count, "mu": tree(mu), "nu": tree(nu),
-           "momentum": tree(_muon_leaves(plan, bufs, "momentum")),
-           "second_moment": tree(_muon_leaves(plan, bufs, "second"))}
+    out = {"count": state.count, "mu": _tree(plan, mu), "nu": _tree(plan, nu),
+           "momentum": _tree(plan, _muon_leaves(plan, bufs, "momentum")),
+           "second_moment": _tree(plan, _muon_leaves(plan, bufs, "second"))}
     if state.skipped is not None:
         out["skipped"] = state.skipped
     return out
 
 
-def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array], kind: str) -> jax.Array:
-    """The device-major ``(N * L,)`` buffer of one state key from leaf-shaped arrays."""
+def _flat_buffer(plan: TreePlan, key: Any, leaves: list[Any], kind: str,
+                 shape: tuple[int, ...]) -> jax.Array:
+    """The device-major ``(N * L,)`` buffer of one state key from leaf-shaped arrays, in the
+    state's ``shape``."""
     momentum = kind == "momentum"
     channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
     dt = key[1] if momentum else key[0]
@@ -236,7 +235,7 @@ def _flat_buffer(plan: TreePlan, key: Any, leaves: dict[int, jax.Array], kind: s
                 row.append(stored[np.asarray(mine)].reshape(-1))
     fill = [channel.length - sum(x.shape[0] for x in r) for r in rows]   # zeros at the end
     return jnp.stack([jnp.concatenate(r + [jnp.zeros(f, dt)]) for r, f in zip(rows, fill)]
-                     ).reshape(-1)
+                     ).reshape(-1).reshape(shape)
 
 
 def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], params: Any,
@@ -286,18 +285,13 @@ def _elsewhere(x: Any, mesh: jax.sharding.Mesh | None) -> bool:
 def _import(plan: TreePlan, portable: dict[str, Any], params: Any, skipped: bool) -> MuonAdamWState:
     want, flat = global_state_shapes(plan, params), plan.treedef.flatten_up_to
     mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
-    given_mu, given_nu, want_mu, want_nu = (flat(t) for t in (portable["mu"], portable["nu"],
-                                                               want.mu, want.nu))
+    moments = [(mu, flat(portable["mu"]), flat(want.mu)), (nu, flat(portable["nu"]), flat(want.nu))]
     for a in plan.adamw:
-        pad = want_mu[a.index].shape
-        mu[a.index] = pad_to(jnp.asarray(given_mu[a.index], want_mu[a.index].dtype), pad)
-        nu[a.index] = pad_to(jnp.asarray(given_nu[a.index], want_nu[a.index].dtype), pad)
-    momentum = dict(enumerate(flat(portable["momentum"])))
-    second = dict(enumerate(flat(portable["second_moment"])))
-    muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum").reshape(
-                                 w.momentum.shape),
-                             _flat_buffer(plan, key, second, "second").reshape(
-                                 w.second_moment.shape))
+        for out, given, w in moments:   # padded as the state holds it
+            out[a.index] = pad_to(jnp.asarray(given[a.index], w[a.index].dtype), w[a.index].shape)
+    momentum, second = flat(portable["momentum"]), flat(portable["second_moment"])
+    muon = tuple(MuonBuffers(_flat_buffer(plan, key, momentum, "momentum", w.momentum.shape),
+                             _flat_buffer(plan, key, second, "second", w.second_moment.shape))
                  for key, w in zip(plan.state_keys, want.muon))
     skips = jnp.asarray(portable.get("skipped", 0), jnp.int32) if skipped else None
     return MuonAdamWState(jnp.asarray(portable["count"], jnp.int32), plan.treedef.unflatten(mu),
@@ -305,8 +299,7 @@ def _import(plan: TreePlan, portable: dict[str, Any], params: Any, skipped: bool
 
 
 def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
-    """The portable state of these params and groups, or an error naming the first
-    mismatching path."""
+    """The portable state of these params and groups, or an error naming the first mismatch."""
     keys = {"count", "mu", "nu", "momentum", "second_moment"}
     if not isinstance(portable, dict) or not keys <= set(portable) <= keys | {"skipped"}:
         raise ValueError("import_state: expected the dict made by muon_optax.export_state "

@@ -41,19 +41,9 @@ class Found(NamedTuple):
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-class _Recorder:
-    def __init__(self, shapes_of):
-        self.shapes_of = shapes_of     # (init, params) -> the state's shape structs
-        self.calls: list[tuple[Any, Any, Any]] = []
-
-    def record(self, init: Any, params: Any) -> Any:
-        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes_of(init, params))
-        self.calls.append((init, params, state))
-        return state
-
-
-def recorder() -> _Recorder | None:
-    """The active recorder while :func:`locate` traces a wrapper's ``init``."""
+def recorder() -> Any:
+    """While :func:`locate` traces a wrapper's ``init``, the function ``(init, params) ->
+    placeholder state`` that each muon_optax ``init`` answers with; else None."""
     return _RECORDER.get()
 
 
@@ -61,14 +51,18 @@ def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
     """The muon_optax transformations inside ``tx`` and where their states lie, and the
     shape structs of ``tx``'s whole state; ``shapes_of(init, params)``: the shape structs
     each answers with (global shapes, say)."""
-    rec = _Recorder(shapes_of)
-    token = _RECORDER.set(rec)
+    calls: list[tuple[Any, Any, Any]] = []
+    def record(init: Any, seen: Any) -> Any:
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes_of(init, seen))
+        calls.append((init, seen, state))
+        return state
+    token = _RECORDER.set(record)
     found: list[Found] = []
     try:
         def traced(p):
             out = tx.init(p)
             where = {id(x): i for i, x in enumerate(jax.tree.leaves(out))}
-            for init, seen, state in rec.calls:
+            for init, seen, state in calls:
                 leaves, treedef = jax.tree.flatten(state)
                 start = where.get(id(leaves[0]))
                 if start is not None and all(where.get(id(x)) == start + i
