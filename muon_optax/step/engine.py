@@ -131,14 +131,16 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
 
 
 def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
-                      leaves, reduced: dict, moments, scale, updates: list, muon) -> Any:
+                      leaves, reduced: dict, moments, scale, updates: list,
+                      muon) -> tuple[Any, Any, Any]:
     """:func:`_adamw_phase` for the ``late`` leaves, after the Muon phase (before it, each
     whole update's gather would be held through it). On TPU their inputs pass a barrier with
     the Muon state (and under ``mesh=`` the split Muon updates); ZeRO-2's Muon updates are
     whole, which a barrier would hold all at once, so there they wait for one element of
-    each. ``reduced``: ZeRO-2's gradient shares, reduce-scattered early for the statistics."""
+    each. ``reduced``: ZeRO-2's gradient shares, reduce-scattered early for the statistics.
+    Returns the new ``(mu, nu)`` and ``muon``."""
     g_leaves, p_leaves = leaves
-    mu, nu = moments
+    mu, nu = (plan.treedef.flatten_up_to(x) for x in moments)
     # ZeRO-2's params stay out of the barrier (on one device they are not varying, unlike
     # its other inputs) and are sliced after it.
     ins = [(reduced[a.index], None, mu[a.index], nu[a.index]) if a.index in reduced else
@@ -170,13 +172,14 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
         u, mu[a.index], nu[a.index] = adamw_leaf_update(g, p, m, v, t, hps[a.group],
                                                         cfg=opts.configs[a.group])
         updates[a.index] = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
-    return muon
+    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon
 
 
 def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads: dict,
-                 mu: list, nu: list, updates: list) -> None:
+                 state, updates: list) -> tuple[Any, Any]:
     """AdamW leaves, from :func:`_adamw_grads`: fills ``updates`` (split ones gathered
-    back), ``mu`` and ``nu`` (flat)."""
+    back); returns the new ``(mu, nu)``."""
+    mu, nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
     for a in plan.adamw:
         g, p = grads[a.index]
         u, mu[a.index], nu[a.index] = adamw_leaf_update(
@@ -184,6 +187,7 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
         if a.axis is not None:
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u
+    return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
 
 
 def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced: bool) -> Cost:
@@ -297,8 +301,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     adamw_grads = {i: (scaled(g, stats.scale), p) for i, (g, p) in adamw_grads.items()}
     updates = [None] * len(g_leaves)
     reduced = {a.index: adamw_grads.pop(a.index)[0] for a in late if a.index in adamw_grads}
-    mu, nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
-    _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, mu, nu, updates)
+    mu, nu = _adamw_phase(early, opts, comm, hps, count + 1, adamw_grads, state, updates)
     if moves is None:   # one device: stack -> kernel -> unstack
         muon = one_device.muon_phase(plan, opts.configs, hps, count, g_view, p_view,
                                      state.muon, stats.scale, updates)
@@ -306,12 +309,13 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
         muon = sharded.muon_phase(plan, opts.configs, comm, hps, count, moves, stats.scale,
                                   g_view, p_view, state, updates)
     if late:
-        muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late, (g_leaves, p_leaves),
-                                 reduced, (mu, nu), stats.scale, updates, muon)
+        mu, nu, muon = _late_adamw_phase(plan, opts, comm, hps, count + 1, late,
+                                         (g_leaves, p_leaves), reduced, (mu, nu), stats.scale,
+                                         updates, muon)
     for m in plan.muon:   # from the block views back to the leaves
         updates[m.index] = updates[m.index].reshape(g_leaves[m.index].shape)
-    new_state = MuonAdamWState(optax.safe_int32_increment(count), plan.treedef.unflatten(mu),
-                               plan.treedef.unflatten(nu), muon, state.skipped, state.layout)
+    new_state = MuonAdamWState(optax.safe_int32_increment(count), mu, nu, muon, state.skipped,
+                               state.layout)
     updates, new_state = select(stats.finite, updates, new_state, state)
     return plan.treedef.unflatten(updates), new_state
 
