@@ -54,8 +54,10 @@ def wrap_in_shard_map(opts: Options):
         _outside_shard_map(name)
         plan = tree_plan(opts, params, axes)
         fn = functools.partial(local_init, plan, opts)
-        return jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
-                             out_specs=state_partition_specs(plan, opts.axes, skip))(
+        # Jitted: called eagerly (nnx.Optimizer does), a shard_map runs op by op, each op
+        # compiled on its own (hundreds of compiles for one GPT's state).
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
+                                     out_specs=state_partition_specs(plan, opts.axes, skip)))(
             placed(params, plan))
 
     def update(grads, state, params=None):
