@@ -396,18 +396,23 @@ def test_tpu_form_cuts_a_stack_into_equal_chunks_a_little_over_the_budget():
     assert runs(10, 4, False) == [[(0, 4)], [(4, 8)], [(8, 10)]]
 
 
-@pytest.mark.parametrize("contender", ["zero2", "fsdp"])
-def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, contender):
-    """On 4 devices with 10 layers: 10 attention matrices a device, in chunks of 5 on
-    TPU where the CPU form has 4, 4 and 2; the MLP's 10 matrices of a shape, 2 in a loop
-    and one more under a ``cond`` on half the devices (its new momentum not ordered
-    after ``U`` on TPU). The same steps as the CPU form, to rounding (the kernel inside
-    a ``cond`` fuses otherwise)."""
+@pytest.mark.parametrize("contender,layers,chunk,want_loops", [
+    ("zero2", 10, 4, [(128, 128, 10, 5), (128, 512, 2, 1)]),
+    ("fsdp", 11, 2, [(128, 128, 6, 3), (128, 512, 2, 1)])])
+def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, contender,
+                                                                    layers, chunk, want_loops):
+    """On 4 devices. ZeRO-2, 10 layers, chunks of 4: 10 attention matrices a device, in
+    chunks of 5 on TPU where the CPU form has 4, 4 and 2; the MLP's 10 matrices of a shape,
+    2 in a loop and one more under a ``cond`` on half the devices (its new momentum not
+    ordered after ``U`` on TPU). FSDP (c_proj stored wide, in c_fc's stack: its 22 MLP
+    matrices balance against the attention's), 11 layers, chunks of 2: 6 attention
+    matrices a device in chunks of 3, the rest under ``cond``s. The same steps as the CPU
+    form, to rounding (the kernel inside a ``cond`` fuses otherwise)."""
     from muon_optax.step import sharded
 
     sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop")
     with monkeypatch.context() as m:
-        want, cpu_hlo = _two_steps(contender, (), m, layers=10, chunk=4)
+        want, cpu_hlo = _two_steps(contender, (), m, layers=layers, chunk=chunk)
     loops, kernel_in_loop = [], sharded.kernel_in_loop
 
     def spy(stack, g_all, per, *args):
@@ -416,8 +421,8 @@ def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, 
 
     with monkeypatch.context() as m:
         m.setattr(sharded, "kernel_in_loop", spy)
-        got, tpu_hlo = _two_steps(contender, sites, m, layers=10, chunk=4)
-    assert (128, 128, 10, 5) in loops and (128, 512, 2, 1) in loops, loops
+        got, tpu_hlo = _two_steps(contender, sites, m, layers=layers, chunk=chunk)
+    assert all(loop in loops for loop in want_loops), loops
     conds = [h.count("stablehlo.case") + h.count("stablehlo.if") for h in (cpu_hlo, tpu_hlo)]
     assert conds[1] > 0 and conds[0] > 0, conds
     for a, b in zip(want, got):

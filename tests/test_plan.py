@@ -18,6 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from benchmarks.common import (  # noqa: E402  (one copy)
     busiest_over_optimum,
+    fsdp_spec,
     nanochat_blocks,
     stack_costs,
 )
@@ -35,6 +36,30 @@ def test_balance_within_5_percent_of_the_exact_optimum_up_to_256_devices(depth):
         assert [k for _, k, _, _ in stack_costs(tx, params, n)] == [2 * depth, 4 * depth]
         flops, state = busiest_over_optimum(tx, params, n)
         assert flops <= 1.05 and state <= 1.05, (n, flops, state)
+
+
+def test_tall_matrices_are_stored_wide_where_loaded_a_chunk_at_a_time():
+    """On one device and under FSDP's exchange, a tall matrix is stored with its long
+    side last: an MLP's c_fc (in, out) and c_proj (4w, w) join one stack, one program. A
+    ZeRO-2 gather packs whole leaves at once, so there each stays as laid out."""
+    params = nanochat_blocks(1)["blocks"]["0"]["mlp"]     # c_fc (64, 256), c_proj (256, 64)
+    def labels(p):
+        return jax.tree.map(lambda _: "matrix", p)
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    specs = jax.tree.map(lambda x: fsdp_spec(x.shape, 8), params)
+    for tx, n, wide in [
+            (muon_optax.muon_adamw(GROUPS, labels), None, True),
+            (muon_optax.muon_adamw(GROUPS, labels, axis_name="data", mesh=mesh,
+                                   param_specs=specs), None, True),
+            (muon_optax.muon_adamw(GROUPS, labels, axis_name="data"), 8, False)]:
+        rows = {r["path"]: r for r in muon_optax.describe(tx, params, num_devices=n,
+                                                           file=None)}
+        fc, proj = rows["c_fc"], rows["c_proj"]
+        assert fc["stored"] == (64, 256, "transposed"), fc   # (out, in) transposed
+        if wide:
+            assert proj["stored"] == (64, 256, "") and proj["stack"] == fc["stack"], proj
+        else:
+            assert proj["stored"] == (256, 64, "transposed") and proj["stack"] != fc["stack"]
 
 
 def test_per_stack_padding_is_worse_than_the_plan():

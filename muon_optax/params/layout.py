@@ -3,7 +3,8 @@ input features, and the stacks they join (static: from shapes, dtypes and labels
 split reshapes a cut axis ``n`` into ``(blocks, n / blocks)``, the first a batch axis: a
 :class:`MatrixLeaf` is this *block view*. A matrix is stored in its leaf's axis order (a
 Flax ``(in, out)`` kernel as ``(C, R)``: a reshape, never a copy, where a transpose would
-be one on TPU); the steps that do not commute with transposition read a per-matrix flag.
+be one on TPU), or, ``wide``, with its long side last, so that an MLP's two matrices share
+a stack; the steps that do not commute with transposition read a per-matrix flag.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class MatrixLeaf:
     leaf_shape: tuple[int, ...]
     splits: tuple[tuple[int, int], ...]   # (leaf axis, block size along it)
     blocks: tuple[int, int]               # (output_blocks, reduction_blocks): out x in
+    wide: bool = False                    # stored long side last (plan.orient)
 
     def view(self, x: jax.Array) -> jax.Array:
         """The block view of a leaf-shaped array (or of one device's block of it, split on
@@ -89,7 +91,10 @@ class MatrixLeaf:
 
     @property
     def transposed(self) -> bool:
-        """Stored as the transpose ``(cols, rows)``: laid out (in, out), inputs first."""
+        """Stored as the transpose ``(cols, rows)``: laid out (in, out), inputs first; or,
+        ``wide``, where that puts the long side last (a square as laid out)."""
+        if self.wide and self.rows != self.cols:
+            return self.cols < self.rows
         return min(self.in_axes) < min(self.out_axes)
 
     @property
