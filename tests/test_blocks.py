@@ -180,8 +180,12 @@ def test_zero2_equals_the_rule_on_the_reshaped_leaf(reference):
 
     def make_step(tx, params):
         init, step, _ = sp.sharded_fns(tx, params, mesh)
+        replicated = NamedSharding(mesh, P())
 
         def same_grads(p, s, g):   # every device the same gradient
+            # The params placed as the step returns them, the first step's too: one
+            # compile, not a second for the NumPy params of the first call.
+            p = jax.device_put(p, replicated)
             return step(p, s, {k: np.broadcast_to(x, (8,) + x.shape) for k, x in g.items()})
         return init, same_grads
 
@@ -288,13 +292,14 @@ def test_head_parallel_blocks_need_no_collective(axis_type):
     n = 8
     tx, single, params, shapes, mesh = head_parallel(n, axis_type)
     state = jax.jit(tx.init)(params)
-    compiled = jax.jit(lambda p, s, g: _apply(tx, p, s, g)).lower(params, state,
-                                                                  params).compile()
+    # One jitted step each, lowered here and then run below: the runs reuse these compiles.
+    step = jax.jit(lambda p, s, g: _apply(tx, p, s, g))
+    step1 = jax.jit(lambda p, s, g: _apply(single, p, s, g))
+    compiled = step.lower(params, state, params).compile()
     assert sp.collectives(compiled.as_text(), n) == {}
     # Each device computes its own blocks: 1/n of the one-device program's FLOPs.
     plain = {k: np.asarray(x) for k, x in params.items()}
-    one = jax.jit(lambda p, s, g: _apply(single, p, s, g)).lower(
-        plain, single.init(plain), plain).compile()
+    one = step1.lower(plain, single.init(plain), plain).compile()
     flops = compiled.cost_analysis()["flops"] / one.cost_analysis()["flops"]
     assert 0.9 / n <= flops <= 1.1 / n, flops
     est = muon_optax.estimate(tx, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape,
@@ -306,8 +311,6 @@ def test_head_parallel_blocks_need_no_collective(axis_type):
     assert members["c_q"]["blocks"] == (2 * n, 1) and members["c_proj"]["blocks"] == (1, 2 * n)
     # And the steps are the one-device steps.
     state1, p, p1 = single.init(plain), params, plain
-    step = jax.jit(lambda p, s, g: _apply(tx, p, s, g))
-    step1 = jax.jit(lambda p, s, g: _apply(single, p, s, g))
     for s in range(2):
         g = values(s + 1, shapes)
         p, state = step(p, state, place(g, {k: x.sharding.spec for k, x in params.items()},
