@@ -60,7 +60,7 @@ class MatrixLeaf:
     leaf_shape: tuple[int, ...]
     splits: tuple[tuple[int, int], ...]   # (leaf axis, block size along it)
     blocks: tuple[int, int]               # (output_blocks, reduction_blocks): out x in
-    wide: bool = False                    # stored long side last (plan.orient)
+    wide: bool = False                    # stored long side last (the plan sets it)
 
     def view(self, x: jax.Array) -> jax.Array:
         """The block view of a leaf-shaped array (or of one device's block of it, split on

@@ -250,7 +250,7 @@ class TreePlan:
 
 def _stored_wide(transport: str, n: int) -> bool:
     """Whether a Muon leaf is stored with its long side last (``MatrixLeaf.wide``): an MLP's
-    two matrices then share a stack, one program for both (on TPU, a fifth fewer kernels
+    two matrices then share a stack, one program for both (on TPU, a fifth less kernel code
     to compile). Where matrices are loaded a chunk at a time (one device, an exchange's
     assembly) the tall one is transposed a chunk at a time; a gather packs whole leaves
     at once, where their transposes would be alive together, so it keeps them as laid out."""
