@@ -94,8 +94,8 @@ def test_nanochat_params_shapes_and_stack_flops():
     import muon_optax
     tx = muon_optax.muon_adamw(common.nanochat_groups(64), common.nanochat_labels(params))
     rows = common.stack_rows(tx, params, compute_dtype=jnp.float32)
-    # One device stores tall matrices wide: c_fc (64, 256) and c_proj (256, 64) one stack.
-    assert sorted(r["stack"] for r in rows) == [(4, 64, 256), (8, 64, 64)]
+    # Stored as laid out: c_fc (64, 256) and c_proj (256, 64) in stacks of their own.
+    assert sorted(r["stack"] for r in rows) == [(2, 64, 256), (2, 256, 64), (8, 64, 64)]
     square = next(r for r in rows if r["stack"] == (8, 64, 64))
     assert square["flops"] == square["direct"] == 8 * 5 * (4 * 64**3 + 2 * 64**3)
 

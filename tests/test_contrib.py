@@ -94,11 +94,9 @@ def test_masked_and_decayed_matrices_share_a_stack():
     squares = [s for s in info if s["shape"] == (32, 32)]
     assert len(squares) == 1 and squares[0]["size"] == 2
     assert sorted(squares[0]["members"]) == ["blocks/attn/k", "blocks/attn/q"]
-    # One device stores tall matrices wide: the (in, out) kernels fc (16, 48) and proj
-    # (48, 16) share a stack.
-    assert [s["members"] for s in info if s["shape"] == (16, 48)] == [["blocks/fc",
-                                                                       "blocks/proj"]]
-    assert not [s for s in info if s["shape"] == (48, 16)]
+    # Stored as laid out: the (in, out) kernels fc (16, 48) and proj (48, 16) apart.
+    assert [s["members"] for s in info if s["shape"] == (16, 48)] == [["blocks/fc"]]
+    assert [s["members"] for s in info if s["shape"] == (48, 16)] == [["blocks/proj"]]
     assert sum(s["size"] for s in info) == 5          # 2-D leaves only, by default
 
 

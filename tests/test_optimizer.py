@@ -168,13 +168,14 @@ def test_several_shapes_in_one_group_are_stacked():
     params = random_tree({"a": (16, 48), "b": (48, 16), "c": (16, 16), "d": (2, 16, 16)})
     tx = muon_optax.muon_adamw({"m": muon_group()}, lambda p: jax.tree.map(lambda _: "m", p))
     info = tx.init.stack_info(params)
-    # One device stores tall matrices wide: a and b one (16, 48) stack; the squares too.
-    assert [(s["shape"], s["size"]) for s in info] == [((16, 48), 2), ((16, 16), 3)]
+    # Each stored as laid out: a (16, 48) and a (48, 16) stack; the squares together.
+    assert [(s["shape"], s["size"]) for s in info] == [((16, 48), 1), ((48, 16), 1),
+                                                       ((16, 16), 3)]
 
 
 def _two_stack_problem():
-    """A nanochat block's Muon matrices, two layers: a (64, 256) stack (fc, and proj
-    stored wide) and a (64, 64) one."""
+    """A nanochat block's Muon matrices, two layers: (64, 256), (64, 64) and (256, 64)
+    stacks."""
     shapes = {f"{i}.{n}": s for i in range(2)
               for n, s in [("q", (64, 64)), ("k", (64, 64)), ("v", (64, 64)), ("o", (64, 64)),
                            ("fc", (64, 256)), ("proj", (256, 64))]}
@@ -188,7 +189,7 @@ def test_nan_gradient_stays_in_its_stack():
     params, tx = _two_stack_problem()
     info = tx.init.stack_info(params)
     first = info[0]["members"][0]
-    assert [i["shape"] for i in info] == [(64, 256), (64, 64)]
+    assert [i["shape"] for i in info] == [(64, 256), (64, 64), (256, 64)]
     grads = random_tree({k: v.shape for k, v in params.items()}, seed=1)
     bad = dict(grads, **{first: grads[first].at[0, 0].set(jnp.nan)})
     update = jax.jit(tx.update)   # one compile for both (eager: about 10 s a call)
@@ -212,7 +213,7 @@ def test_stacks_temporaries_are_not_alive_together():
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, tx.init(params),
                                                           params).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    per_kind: dict = {}   # fc (64, 256) and proj (256, 64) stored wide: one stack
+    per_kind: dict = {}   # fc (64, 256) and proj (256, 64): stacks of one kind of matrix
     for i in tx.init.stack_info(params):
         kind = tuple(sorted(i["shape"]))
         per_kind[kind] = per_kind.get(kind, 0) + i["size"] * i["shape"][0] * i["shape"][1] * 4

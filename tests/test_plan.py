@@ -39,16 +39,17 @@ def test_balance_within_5_percent_of_the_exact_optimum_up_to_256_devices(depth):
 
 
 def test_tall_matrices_are_stored_wide_where_loaded_a_chunk_at_a_time():
-    """On one device and under FSDP's exchange, a tall matrix is stored with its long
-    side last: an MLP's c_fc (in, out) and c_proj (4w, w) join one stack, one program. A
-    ZeRO-2 gather packs whole leaves at once, so there each stays as laid out."""
+    """Under FSDP's exchange, which assembles each chunk from pieces, a tall matrix is
+    stored with its long side last: an MLP's c_fc (in, out) and c_proj (4w, w) join one
+    stack, one program. On one device and under ZeRO-2's gather, which read whole leaves,
+    each stays as laid out."""
     params = nanochat_blocks(1)["blocks"]["0"]["mlp"]     # c_fc (64, 256), c_proj (256, 64)
     def labels(p):
         return jax.tree.map(lambda _: "matrix", p)
     mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
     specs = jax.tree.map(lambda x: fsdp_spec(x.shape, 8), params)
     for tx, n, wide in [
-            (muon_optax.muon_adamw(GROUPS, labels), None, True),
+            (muon_optax.muon_adamw(GROUPS, labels), None, False),
             (muon_optax.muon_adamw(GROUPS, labels, axis_name="data", mesh=mesh,
                                    param_specs=specs), None, True),
             (muon_optax.muon_adamw(GROUPS, labels, axis_name="data"), 8, False)]:

@@ -248,13 +248,14 @@ class TreePlan:
         return tuple(self.owner.momentum)
 
 
-def _stored_wide(transport: str, n: int) -> bool:
+def _stored_wide(transport: str) -> bool:
     """Whether a Muon leaf is stored with its long side last (``MatrixLeaf.wide``): an MLP's
     two matrices then share a stack, one program for both (on TPU, a fifth less kernel code
-    to compile). Where matrices are loaded a chunk at a time (one device, an exchange's
-    assembly) the tall one is transposed a chunk at a time; a gather packs whole leaves
-    at once, where their transposes would be alive together, so it keeps them as laid out."""
-    return n == 1 or transport == EXCHANGE
+    to compile). An exchange assembles each chunk from pieces, so a tall matrix is
+    transposed a chunk at a time. Elsewhere whole leaves are read at once (a gather packs
+    them; one device stacks a loop's chunks), and their transposes were alive together
+    (BENCHMARKS.md, "Means tried"), so they stay as laid out."""
+    return transport == EXCHANGE
 
 
 def _signature(transport: str, route: Route | None) -> tuple:
@@ -298,7 +299,7 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
         if not isinstance(configs[label], AdamWConfig):
             leaf = matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
-            leaf = dataclasses.replace(leaf, wide=_stored_wide(kinds[i][0], n))
+            leaf = dataclasses.replace(leaf, wide=_stored_wide(kinds[i][0]))
             matrices.append(leaf)
             continue
         local = any(specs[i])   # split by the user: updated where it lies

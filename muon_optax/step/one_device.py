@@ -16,7 +16,7 @@ import numpy as np
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.rule import polar
 from muon_optax.rule.muon import MuonStackState
-from muon_optax.rule.order import after, wait_for
+from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
 from muon_optax.step.guard import scaled
 from muon_optax.step.matrices import (
@@ -87,15 +87,14 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
     """Each stack in chunks of at most ``budget`` bytes (runs of equal ones of at most
     ``loop_bytes`` together one loop, :func:`_run_in_loop`); a leaf takes its update once its
     last matrix is through. Each chunk's stacking copy waits for the previous chunk's
-    updates, so one chunk's temporaries are alive at a time (on TPU behind a barrier: a
-    wide-stored leaf's transpose would otherwise be copied from the parameter at once)."""
+    updates, so one chunk's temporaries are alive at a time."""
     bufs, prev = dict(zip(plan.state_keys, state_muon)), None
     for sp in plan.owner.stacks:
         st, pieces, duals = sp.stack, {}, {}
         matrix_bytes = 4 * st.rows * st.cols
         for run in chunk_runs(chunks(st.size, matrix_bytes, budget), matrix_bytes, loop_bytes):
             gs = [jnp.concatenate([
-                st.members[i].to_stored(wait_for(g_leaves[st.members[i].index], prev))[a:b]
+                st.members[i].to_stored(after(g_leaves[st.members[i].index], prev))[a:b]
                 for i, a, b in member_runs(st, np.arange(lo, hi))]) for lo, hi in run]
             if len(run) == 1:
                 o, bufs[sp.state_key], d = _chunk_step(sp, bufs[sp.state_key],

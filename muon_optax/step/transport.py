@@ -16,7 +16,7 @@ import numpy as np
 
 from muon_optax.plan.plan import OwnerPlan
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL
-from muon_optax.rule.order import after, wait_for
+from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
 from muon_optax.step.collectives import Collectives, Cost
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource
@@ -89,7 +89,7 @@ class GatherSource:
             return shaped(x, (n, st.rows, st.cols)), held
         mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
         if isinstance(mine, np.ndarray):   # one device: stack only these slots, not all
-            return jnp.concatenate([st.members[i].to_stored(wait_for(   # as one_device's
+            return jnp.concatenate([st.members[i].to_stored(after(
                 self.leaves[st.members[i].index], prev))[lo:hi]
                 for i, lo, hi in member_runs(st, mine.reshape(-1))]), held
         # One stack's stacking copy at a time: it waits for the previous stack.
