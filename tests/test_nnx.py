@@ -195,6 +195,18 @@ def test_mesh_nnx_optimizer_in_the_tpu_forms(one_device, monkeypatch):
         np.testing.assert_allclose(got_params[path], want, rtol=1e-4, atol=1e-5, err_msg=path)
 
 
+def _close_but_mask_flips(got, want, path: str) -> None:
+    """``got`` equals ``want`` to rounding, but where cautious decay's mask flipped on a
+    rounding-level difference: a few elements (at most 1 in 10,000), each moved by at most
+    Muon's ``lr wd |p|`` a step."""
+    diff = np.abs(got - want)
+    off = diff > 2e-4 + 1e-4 * np.abs(want)
+    assert off.sum() <= max(1, want.size // 10_000), (path, int(off.sum()))
+    muon = g.GROUPS["muon"]
+    bound = STEPS * muon["lr"] * muon["weight_decay"] * np.abs(want[off]) + 2e-4
+    assert np.all(diff[off] <= bound), (path, diff[off], bound)
+
+
 # Every TPU form of the sharded step (pieces, barriers, tile order, chunk loops).
 TPU_FORMS = ("exchange", "gather", "order", "tiles", "loop")
 
@@ -264,8 +276,7 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     assert any(isinstance(j, jax.Array) for j in masked)   # the loop's masked slot
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for path, x in want.items():
-        # a cautious-decay mask flipped by rounding moves an element by lr wd |p| (1.1e-4)
-        np.testing.assert_allclose(got[path], x, rtol=1e-4, atol=2e-4, err_msg=path)
+        _close_but_mask_flips(got[path], x, path)
 
 
 def test_mesh_nnx_optimizer_with_chunks_over_the_budget(monkeypatch):
@@ -290,7 +301,7 @@ def test_mesh_nnx_optimizer_with_chunks_over_the_budget(monkeypatch):
     assert (128, 128, 10, 5) in loops and (128, 512, 4, 1) in loops, loops
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for path, x in want.items():
-        np.testing.assert_allclose(got[path], x, rtol=1e-4, atol=2e-4, err_msg=path)
+        _close_but_mask_flips(got[path], x, path)
 
 
 def test_traced_init_on_auto_mesh_asks_for_param_specs():
