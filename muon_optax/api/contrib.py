@@ -31,7 +31,6 @@ from muon_optax.params.dimension_numbers import (
     block_counts,
     is_dimension_numbers,
 )
-from muon_optax.params.labels import path_str
 from muon_optax.rule.coefficients import (
     DION_COEFFS,
     POLAR_EXPRESS_COEFFS,
@@ -129,14 +128,10 @@ class _Split:
         return [i in chosen for i in range(len(leaves))]
 
     def labels(self, params: Any) -> Any:
-        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-        for path, x in paths_leaves:
-            if jnp.iscomplexobj(x):
-                raise TypeError(f"contrib_muon: parameter {path_str(path)!r} is complex "
-                                f"({x.dtype}); muon_optax supports real parameters only.")
         dims = self.dims(params)
-        return treedef.unflatten([ADAM if d is None else MUON if w else MUON_NO_DECAY
-                                  for d, w in zip(dims, self.decayed(params, dims))])
+        return jax.tree.structure(params).unflatten(
+            [ADAM if d is None else MUON if w else MUON_NO_DECAY
+             for d, w in zip(dims, self.decayed(params, dims))])
 
     def reasons(self, params: Any) -> Any:
         """Why each leaf went where it did (for :func:`muon_optax.describe`)."""

@@ -65,8 +65,6 @@ class MatrixLeaf:
     def view(self, x: jax.Array) -> jax.Array:
         """The block view of a leaf-shaped array (or of one device's block of it, split on
         block boundaries): each cut axis ``n`` becomes ``(n / block size, block size)``."""
-        if not self.splits:
-            return x
         inner_of, shape = dict(self.splits), []
         for a, n in enumerate(x.shape):
             shape += [n // inner_of[a], inner_of[a]] if a in inner_of else [n]
@@ -79,14 +77,11 @@ class MatrixLeaf:
         for a split that cuts blocks (the engine then gathers the leaf whole first)."""
         inner_of, out = dict(self.splits), []
         for a, entry in enumerate(spec):
-            if a not in inner_of:
-                out.append(entry)
-                continue
-            outer = self.leaf_shape[a] // inner_of[a]
-            if outer % math.prod(sizes[name] for name in entry):
+            outer = self.leaf_shape[a] // inner_of.get(a, 1)
+            if a in inner_of and outer % math.prod(sizes[name] for name in entry):
                 raise NotImplementedError(
                     f"its axis {a} is split over {entry}, which cuts its {outer} blocks")
-            out += [entry, ()]
+            out += [entry, ()] if a in inner_of else [entry]
         return tuple(out)
 
     @property

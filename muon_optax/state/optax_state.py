@@ -1,17 +1,16 @@
-"""``optax.contrib.muon``'s state in and out of :func:`muon_optax.contrib_muon`'s.
-
-optax's Muon is ``optax.partition`` of two chains, so its state is
+"""``optax.contrib.muon``'s state in and out of :func:`muon_optax.contrib_muon`'s. optax's
+Muon is ``optax.partition`` of two chains; its state, with ``MaskedNode()`` at the other
+side's leaves, is :func:`muon_optax.export_state`'s portable form under other names:
 
     PartitionState({"muon": MaskedState((MuonState(count, mu, ns_coeffs), EmptyState(),
                                           <decay>, <lr>)),
                     "adam": MaskedState((ScaleByAdamState(count, mu, nu), <decay>, <lr>))})
 
-with ``MaskedNode()`` at the other side's leaves, ``<decay>`` and ``<lr>`` an
-``EmptyState()`` or, for a schedule, its count (Muon's ``<decay>`` in a ``MaskedState``
-with ``weight_decay_mask``): :func:`muon_optax.export_state`'s portable form under other
-names. What optax's state does not show is not checked (``adaptive``,
-``preconditioning``, ``beta``, ``eps``, ``consistent_rms``, the decay and Adam numbers);
-``skip_nonfinite``'s count has no place there: an export drops it, an import starts at 0.
+``<decay>``, ``<lr>``: ``EmptyState()``, or a schedule's count (Muon's ``<decay>`` in a
+``MaskedState`` with ``weight_decay_mask``). What optax's state does not show is not checked
+(``adaptive``, ``preconditioning``, ``beta``, ``eps``, ``consistent_rms``, the decay and Adam
+numbers); ``skip_nonfinite``'s count has no place there: an export drops it, an import
+starts at 0.
 """
 
 from __future__ import annotations
@@ -159,24 +158,6 @@ def _side(tree: Any, treedef: Any, paths: list[str], index: set[int], name: str,
     return [None if isinstance(x, MaskedNode) else x for x in leaves]
 
 
-def _check_dtypes(want: dict, portable: dict, params: Any, paths: list[str], where: str) -> None:
-    treedef = jax.tree.structure(params)
-    for name, optax_name in (("momentum", "MuonState.mu"), ("mu", "ScaleByAdamState.mu"),
-                             ("nu", "ScaleByAdamState.nu")):
-        for path, w, g in zip(paths, treedef.flatten_up_to(want[name]),
-                              treedef.flatten_up_to(portable[name])):
-            if w is None or g is None:
-                continue
-            if tuple(np.shape(g)) != tuple(w.shape):
-                raise ValueError(f"{where}: {optax_name} of {path!r} has shape "
-                                 f"{tuple(np.shape(g))}, expected {tuple(w.shape)}: the "
-                                 "optax state was made for other params.")
-            if jnp.dtype(g.dtype) != jnp.dtype(w.dtype):
-                raise ValueError(f"{where}: {optax_name} of {path!r} is {g.dtype} in the "
-                                 f"optax run's state, {w.dtype} in contrib_muon's: pass the "
-                                 "optax run's mu_dtype (None keeps the parameter's dtype).")
-
-
 def to_portable(tx: Any, state: PartitionState, params: Any, where: str) -> dict:
     """optax's state of ``tx``'s arguments as :func:`muon_optax.export_state`'s form."""
     from muon_optax.state.portable import export_state
@@ -198,7 +179,19 @@ def to_portable(tx: Any, state: PartitionState, params: Any, where: str) -> dict
     portable = {k: treedef.unflatten(_side(tree, treedef, paths, index, name, kind, where))
                 for k, (tree, index, name, kind) in sides.items()}
     portable["count"] = muon_state.count
-    _check_dtypes(want, portable, params, paths, where)
+    for k, (_, _, name, _) in sides.items():
+        for path, w, g in zip(paths, treedef.flatten_up_to(want[k]),
+                              treedef.flatten_up_to(portable[k])):
+            if w is None or g is None:
+                continue
+            if tuple(np.shape(g)) != tuple(w.shape):
+                raise ValueError(f"{where}: {name} of {path!r} has shape "
+                                 f"{tuple(np.shape(g))}, expected {tuple(w.shape)}: the "
+                                 "optax state was made for other params.")
+            if jnp.dtype(g.dtype) != jnp.dtype(w.dtype):
+                raise ValueError(f"{where}: {name} of {path!r} is {g.dtype} in the "
+                                 f"optax run's state, {w.dtype} in contrib_muon's: pass the "
+                                 "optax run's mu_dtype (None keeps the parameter's dtype).")
     # contrib_muon has no NorMuon: its second moment is a placeholder of zeros.
     portable["second_moment"] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                              want["second_moment"])

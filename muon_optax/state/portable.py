@@ -1,10 +1,8 @@
-"""Optimizer state that moves between device counts and sharding modes.
-
-The Muon state's flat per-device buffers depend on the device count, the owner plan and
-the params' layouts, and large AdamW moments may be padded: :func:`export_state` gives the
-same numbers per parameter, in the parameter's own layout, and :func:`import_state` takes
-them back, both pure functions of global arrays (eager or under ``jax.jit``).
-"""
+"""Optimizer state that moves between device counts and sharding modes. The Muon state's
+flat per-device buffers depend on the device count, the owner plan and the params' layouts,
+and large AdamW moments may be padded: :func:`export_state` gives the same numbers per
+parameter, in the parameter's own layout, and :func:`import_state` takes them back, both pure
+functions of global arrays (eager or under ``jax.jit``)."""
 
 from __future__ import annotations
 
@@ -94,12 +92,8 @@ def _portable_specs(plan: TreePlan, skipped: bool) -> dict[str, Any]:
 def _second_shape(m: MatrixLeaf, sp: StackPlan) -> tuple[int, ...]:
     """Leaf-shaped NorMuon statistics: the averaged side's axes of length 1 (both sides,
     one unused number per matrix, without NorMuon); with blocks, the leaf's block view."""
-    rows = m.in_axes if m.transposed else m.out_axes        # the stored rows' leaf axes
-    cols = m.out_axes if m.transposed else m.in_axes
-    if not sp.stack.config.normuon:
-        averaged = rows + cols
-    else:
-        averaged = rows if sp.stack.reduces_rows else cols
+    rows, cols = (m.in_axes, m.out_axes) if m.transposed else (m.out_axes, m.in_axes)  # stored
+    averaged = (rows if sp.stack.reduces_rows else cols) if sp.stack.config.normuon else rows + cols
     return tuple(1 if a in averaged else n for a, n in enumerate(m.shape))
 
 

@@ -39,15 +39,14 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
                              split="as laid out" if a.local else (
                                  "replicated" if a.axis is None else f"axis {a.axis}"))
     for k, sp in enumerate(plan.owner.stacks):
-        start = 0
-        for m in sp.stack.members:
-            owners = sorted({int(d) for d in sp.owners[start:start + m.batch]})
-            start += m.batch
+        ends = itertools.accumulate(m.batch for m in sp.stack.members)
+        for m, end in zip(sp.stack.members, ends):
             rows[m.index].update(
                 group=m.group, kind="muon", matrices=m.batch, matrix=(m.rows, m.cols),
                 blocks=m.blocks,
                 stored=(sp.stack.rows, sp.stack.cols, "transposed" if m.transposed else ""),
-                stack=k, transport=sp.transport, owners=owners)
+                stack=k, transport=sp.transport,
+                owners=sorted({int(d) for d in sp.owners[end - m.batch:end]}))
     if file is not None:
         print(_table(rows, plan.num_devices), file=file)
     return rows
@@ -64,9 +63,8 @@ def _reasons(opts: Any, params: Any) -> list[str]:
 
 
 def _table(rows: list[dict[str, Any]], n: int) -> str:
-    header = ["path", "shape", "group", "why", "Muon: matrices (out x in)", "stack"]
-    if n > 1:
-        header.append(f"owners of {n} devices")
+    header = ["path", "shape", "group", "why", "Muon: matrices (out x in)", "stack"] + (
+        [f"owners of {n} devices"] if n > 1 else [])
     lines = []
     for r in rows:
         if r["kind"] == "muon":
@@ -75,7 +73,7 @@ def _table(rows: list[dict[str, Any]], n: int) -> str:
             if r["blocks"] != (1, 1):
                 seen += f" ({r['blocks'][0]}x{r['blocks'][1]} blocks)"
             stack = f"#{r['stack']} ({rows_}x{cols_}{', ' + t if t else ''})"
-            owners = _ranges(r["owners"]) + (f" [{r['transport']}]" if n > 1 else "")
+            owners = f"{_ranges(r['owners'])} [{r['transport']}]"   # shown where n > 1
         else:
             seen, stack, owners = "AdamW", "-", r["split"]
         lines.append([r["path"], "x".join(map(str, r["shape"])) or "()",
