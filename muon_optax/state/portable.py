@@ -63,10 +63,8 @@ def _explicit_mesh(tx: Any, trees: Any) -> Any:
     """The mesh, if any input's layout is in its type (Explicit axes), else None."""
     for x in jax.tree.leaves(trees):
         if typed_spec(x, "") is not None:
-            mesh = tx.init.options.mesh
-            if mesh is None:
-                mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-            return mesh or jax.typeof(x).sharding.mesh
+            return (tx.init.options.mesh or getattr(getattr(x, "sharding", None), "mesh", None)
+                    or jax.typeof(x).sharding.mesh)
     return None
 
 
