@@ -1,11 +1,9 @@
-"""Parameter groups: nanochat's per-group hyperparameters, checked once, read per step. A group
-is a dict in nanochat's ``param_groups`` format, without ``params``:
+"""Parameter groups: nanochat's ``param_groups`` dicts without ``params`` (only ``lr`` is
+required), checked once, read per step. A scalar is a number or an optax schedule, evaluated
+on the traced step count (never recompiling); ``ns_steps`` and the Muon options are static:
 
     dict(kind="adamw", lr=..., betas=(b1, b2), eps=..., weight_decay=...)
-    dict(kind="muon",  lr=..., momentum=..., ns_steps=..., beta2=..., weight_decay=...)
-
-Only ``lr`` is required. A scalar is a number or an optax schedule, evaluated on the traced
-step count (never recompiling); ``ns_steps`` and the Muon options are static."""
+    dict(kind="muon",  lr=..., momentum=..., ns_steps=..., beta2=..., weight_decay=...)"""
 
 from __future__ import annotations
 
@@ -38,9 +36,17 @@ def value_at(x: Scalar, count: jax.Array) -> jax.Array:
 
 def check_scalar(value: Any, name: str, where: str) -> Scalar:
     """A number as a Python float; a 0-d array (``optax.inject_hyperparams``'s, traced) or
-    a schedule as is."""
+    a schedule (if it returns a scalar, traced on an abstract count) as is."""
     if callable(value):
-        check_schedule_shape(value, name, where)
+        try:
+            out = jax.eval_shape(value, jax.ShapeDtypeStruct((), jnp.int32))
+        except Exception:  # noqa: BLE001 - one that does not trace so fails, or not, where used
+            return value
+        shape = getattr(out, "shape", None)
+        if shape != ():
+            what = f"an array of shape {shape}" if shape is not None else type(out).__name__
+            raise TypeError(f"{where}: {name} is a schedule that returns {what}; a schedule "
+                            f"must return one number per step (a scalar).")
         return value
     real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if real or (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
@@ -68,19 +74,6 @@ def check_finite(value: Any, name: str, where: str) -> None:
     if x is not None and not np.isfinite(x):
         raise ValueError(f"{where}: {name} must be a finite number, got {x}; a NaN or inf "
                          f"hyperparameter makes every update NaN.")
-
-
-def check_schedule_shape(schedule: Callable, name: str, where: str) -> None:
-    """Refuses a schedule whose value, traced on an abstract count, is not a scalar."""
-    try:
-        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
-    except Exception:  # noqa: BLE001 - one that does not trace so fails, or not, where used
-        return
-    shape = getattr(out, "shape", None)
-    if shape != ():
-        what = f"an array of shape {shape}" if shape is not None else type(out).__name__
-        raise TypeError(f"{where}: {name} is a schedule that returns {what}; a schedule "
-                        f"must return one number per step (a scalar).")
 
 
 def check_compute_dtype(compute_dtype: Any, where: str) -> Any:

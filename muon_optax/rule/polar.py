@@ -184,7 +184,6 @@ def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
     (Gershgorin), often far below ``||X||_F``; ``schatten`` ``X / ||X||_S4``. Zero stays zero."""
     if x.shape[-2] > x.shape[-1]:
         return jnp.swapaxes(preconditioned_step(jnp.swapaxes(x, -1, -2), abc, kind), -1, -2)
-    a, b, c = abc
     f32, dtype = jnp.float32, x.dtype
     gram = _matmul(x, jnp.swapaxes(x, -1, -2)).astype(f32)
     if kind == "aol":
@@ -194,7 +193,7 @@ def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
         s = jax.lax.rsqrt(jnp.maximum(jnp.sqrt(jnp.sum(gram * gram, axis=(-2, -1),
                                                        keepdims=True)), 1e-8))
         x, gram = x.astype(f32) * s, gram * (s * s)
-    return _matmul(_polynomial(gram.astype(dtype), a, b, c), x.astype(dtype))
+    return _matmul(_polynomial(gram.astype(dtype), *abc), x.astype(dtype))
 
 
 def polar_iteration(x: jax.Array, coeffs: Coeffs, method: str = "direct", *,

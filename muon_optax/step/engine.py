@@ -3,8 +3,7 @@ reduced (ZeRO-2), clip factor and finiteness taken, AdamW leaves stepped where t
 then the Muon stacks through the rule's kernel; all but the arithmetic is decided at trace
 time. Three forms share it: one device; ZeRO-2 inside the user's ``jax.shard_map`` (params
 whole, gradients per device); plain ``jax.jit`` with ``mesh=`` (the engine's own
-``shard_map`` over the params' layouts, gradients reduced by XLA).
-"""
+``shard_map`` over the params' layouts, gradients reduced by XLA)."""
 
 from __future__ import annotations
 
@@ -111,9 +110,6 @@ def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...],
     return dataclasses.replace(plan, per_stack_state=one, given=seen)
 
 
-ADAMW_FLOPS_PER_ELEMENT = 20   # moments, bias correction, decay (the cost model's)
-
-
 def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[int, tuple]:
     """Each AdamW leaf's mean gradient and param, as this device updates them: split
     params where they lie; whole ones all-reduced if small, else reduce-scattered along
@@ -200,7 +196,8 @@ def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced:
         local = math.prod(a.padded) // n if split else math.prod(local_shapes[a.index])
         ring = (n - 1) * (1 if reduced else 2) if split else \
             0 if a.local or reduced else 2 * (n - 1) / n
-        total += Cost(ring * local * dtypes[a.index].itemsize, ADAMW_FLOPS_PER_ELEMENT * local)
+        # 20 FLOPs an element: moments, bias correction, decay (the cost model's)
+        total += Cost(ring * local * dtypes[a.index].itemsize, 20 * local)
     return total
 
 

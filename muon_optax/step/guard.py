@@ -6,8 +6,7 @@
 
 as ``optax.clip_by_global_norm`` on the global batch; a non-finite step returns zero updates
 and the old state, one more ``skipped``. Under ZeRO-2 a transform chained before the
-optimizer would see one device's gradient, so these run in the step (one ``psum``).
-"""
+optimizer would see one device's gradient, so these run in the step (one ``psum``)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from muon_optax.plan.plan import TreePlan
-from muon_optax.rule.hparams import concrete_value
+from muon_optax.rule.hparams import check_flag, concrete_value
 from muon_optax.step.collectives import Cost
 
 
@@ -83,9 +82,7 @@ def select(finite: jax.Array | None, updates: list, new_state: Any, old_state: A
 def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
     """The two options as the constructors take them, or a clear error. A 0-d array is
     kept (``optax.inject_hyperparams`` hands in numbers as arrays)."""
-    if not isinstance(skip_nonfinite, bool):
-        raise TypeError(f"{where}: skip_nonfinite must be True or False, "
-                        f"got {skip_nonfinite!r}.")
+    check_flag(skip_nonfinite, "skip_nonfinite", where)
     if max_grad_norm is None:
         return None
     if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:

@@ -31,19 +31,21 @@ from muon_optax.step.rows import member_runs
 from muon_optax.step.state import MuonBuffers
 
 
-def _chunk_step(sp: StackPlan, bufs: MuonBuffers, g: jax.Array, lo: int, hi: int, hps, count):
-    """Slots ``lo .. hi-1`` of one stack: the kernel on their matrices of the stack's
-    state buffers (in the stack's layout), written back in place once read."""
-    st, whole = sp.stack, (lo, hi) == (0, sp.stack.size)
+def _chunk_step(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int, int]],
+                scale: jax.Array | None, hps, count):
+    """:func:`_run_in_loop`'s contract for one chunk ``run[0] = (lo, hi)``: the kernel on its
+    matrices of the stack's state buffers (in the stack's layout), written back once read."""
+    g, (lo, hi), st = scaled(gs[0], scale), run[0], sp.stack
+    whole = (lo, hi) == (0, st.size)
     state = MuonStackState(*(b if whole else b[lo:hi] for b in bufs))
     hp = matrix_hparams(st, hps, np.arange(lo, hi)[None], lambda t: np.asarray(t)[0])
     o, state, d = st.config.step(g, state, hp, count, st.dtype)
     # The second moment is written once O is computed: the old one is dead by then.
     new = (state.momentum, after(state.second_moment, o))
     if whole:
-        return o, MuonBuffers(*new), d
-    return o, MuonBuffers(*(jax.lax.dynamic_update_slice_in_dim(b, x, lo, axis=0)
-                            for b, x in zip(bufs, new))), d
+        return [(o, d)], MuonBuffers(*new)
+    return [(o, d)], MuonBuffers(*(jax.lax.dynamic_update_slice_in_dim(b, x, lo, axis=0)
+                                   for b, x in zip(bufs, new)))
 
 
 def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_leaves,
@@ -96,13 +98,8 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
             gs = [jnp.concatenate([
                 st.members[i].to_stored(after(g_leaves[st.members[i].index], prev))[a:b]
                 for i, a, b in member_runs(st, np.arange(lo, hi))]) for lo, hi in run]
-            if len(run) == 1:
-                o, bufs[sp.state_key], d = _chunk_step(sp, bufs[sp.state_key],
-                                                       scaled(gs[0], scale), *run[0], hps, count)
-                outs = [(o, d)]
-            else:
-                outs, bufs[sp.state_key] = _run_in_loop(sp, bufs[sp.state_key], gs, run,
-                                                        scale, hps, count)
+            step = _chunk_step if len(run) == 1 else _run_in_loop
+            outs, bufs[sp.state_key] = step(sp, bufs[sp.state_key], gs, run, scale, hps, count)
             for (lo, hi), (o, d) in zip(run, outs):
                 parts, first = member_runs(st, np.arange(lo, hi)), 0
                 for i, a, b in parts:   # the chunk's directions (and <U, O>) per member
