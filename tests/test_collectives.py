@@ -342,9 +342,11 @@ def test_tpu_forms_with_tiled_buffers_and_loops_equal_the_cpu_form(monkeypatch, 
         tiles, tiles_hlo = _two_steps(contender, sites + ("tiles", "loop"), m)
     assert tiles_hlo != rows_hlo           # the tile order is taken
     loops = [h.count("stablehlo.while") for h in (cpu_hlo, rows_hlo, tiles_hlo)]
-    # and the chunks in a loop: one kernel (one polar loop) where the other forms have one
-    # for each chunk
-    assert loops[2] < loops[1] == loops[0], loops
+    if contender == "fsdp":   # exchange stacks only: chunk by chunk (sharded._exchange_runs)
+        assert loops[2] == loops[1] == loops[0], loops
+    else:   # and the chunks in a loop: one kernel (one polar loop) where the other forms
+        # have one for each chunk
+        assert loops[2] < loops[1] == loops[0], loops
     for a, b, c in zip(want, rows, tiles):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
@@ -358,7 +360,9 @@ def test_tpu_form_runs_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch, con
     matrices of a shape, 1 and one more; on 4 devices 10 MLP matrices, c_proj stored
     wide in c_fc's stack, 2 and one more).
     The CPU form skips that slot under a ``cond`` where not owned; the TPU form runs it
-    in a loop with the chunk, its state and direction kept as they were where not owned.
+    in a loop with the chunk, its state and direction kept as they were where not owned
+    (ZeRO-2). FSDP's exchange stacks never loop (``sharded._exchange_runs``): that slot
+    stays under its ``cond`` there too, and the forms compare the same.
     The same steps, the unowned slots' state included, to rounding: XLA:CPU fuses the
     kernel inside a ``cond`` otherwise (1.5e-8 apart in the params after two steps; an
     unmasked state is 0.1 off)."""
@@ -378,13 +382,15 @@ def test_tpu_form_cuts_a_stack_into_equal_chunks_a_little_over_the_budget():
     runs them all: chunks as equal as their count allows (6 slots at 4 a chunk: 3 and
     3), else a divisor of the slots up to half as large again as the budget's chunk (10
     at 4: 5 and 5, not 4, 4 and 2), else as before (7 at 4: 4 and 3). Elsewhere chunks
-    of the budget."""
+    of the budget. An exchange stack (FSDP) on TPU: chunks of the largest divisor up to
+    the budget's, each a run of its own (no loop)."""
     from types import SimpleNamespace
 
     from muon_optax.step import sharded
 
-    def runs(base, cap, loop):
-        sp = SimpleNamespace(base=base, num_slots=base, stack=SimpleNamespace(rows=8, cols=8))
+    def runs(base, cap, loop, transport="gather"):
+        sp = SimpleNamespace(base=base, num_slots=base, transport=transport,
+                             stack=SimpleNamespace(rows=8, cols=8))
         matrix = 4 * 8 * 8
         with pytest.MonkeyPatch.context() as m:
             m.setattr(sharded, "chunk_bytes", lambda plan: cap * matrix)
@@ -395,11 +401,15 @@ def test_tpu_form_cuts_a_stack_into_equal_chunks_a_little_over_the_budget():
     assert runs(5, 4, True) == [[(0, 5)]]
     assert runs(7, 4, True) == [[(0, 4)], [(4, 7)]]
     assert runs(10, 4, False) == [[(0, 4)], [(4, 8)], [(8, 10)]]
+    assert runs(10, 4, True, "exchange") == [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)], [(8, 10)]]
+    assert runs(6, 4, True, "exchange") == [[(0, 3)], [(3, 6)]]
+    assert runs(5, 1, True, "exchange") == [[(j, j + 1)] for j in range(5)]
+    assert runs(10, 4, False, "exchange") == [[(0, 4)], [(4, 8)], [(8, 10)]]
 
 
 @pytest.mark.parametrize("contender,layers,chunk,want_loops", [
     ("zero2", 10, 4, [(128, 128, 10, 5), (128, 512, 2, 1)]),
-    ("fsdp", 11, 2, [(128, 128, 6, 3), (128, 512, 2, 1)])])
+    ("fsdp", 11, 2, [])])
 def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, contender,
                                                                     layers, chunk, want_loops):
     """On 4 devices. ZeRO-2, 10 layers, chunks of 4: 10 attention matrices a device, in
@@ -407,8 +417,9 @@ def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, 
     2 in a loop and one more under a ``cond`` on half the devices (its new momentum not
     ordered after ``U`` on TPU). FSDP (c_proj stored wide, in c_fc's stack: its 22 MLP
     matrices balance against the attention's), 11 layers, chunks of 2: 6 attention
-    matrices a device in chunks of 3, the rest under ``cond``s. The same steps as the CPU
-    form, to rounding (the kernel inside a ``cond`` fuses otherwise)."""
+    matrices a device in chunks of 2, no loop (an exchange stack's chunks are never over
+    the budget: ``sharded._exchange_runs``), the rest under ``cond``s. The same steps as
+    the CPU form, to rounding (the kernel inside a ``cond`` fuses otherwise)."""
     from muon_optax.step import sharded
 
     sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop")
@@ -423,7 +434,7 @@ def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, 
     with monkeypatch.context() as m:
         m.setattr(sharded, "kernel_in_loop", spy)
         got, tpu_hlo = _two_steps(contender, sites, m, layers=layers, chunk=chunk)
-    assert all(loop in loops for loop in want_loops), loops
+    assert all(loop in loops for loop in want_loops) and bool(loops) == bool(want_loops), loops
     conds = [h.count("stablehlo.case") + h.count("stablehlo.if") for h in (cpu_hlo, tpu_hlo)]
     assert conds[1] > 0 and conds[0] > 0, conds
     for a, b in zip(want, got):

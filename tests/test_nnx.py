@@ -229,11 +229,12 @@ def _fsdp_training(monkeypatch, forms, n):
             return _train(model, opt, step=g.train_step), _pure_params(model)
 
 
-def test_mesh_nnx_optimizer_with_tiled_buffers_and_chunk_loops(monkeypatch):
+def test_mesh_nnx_optimizer_with_tiled_buffers_and_tpu_chunks(monkeypatch):
     """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``) at width
     128, whose matrices and blocks are whole (8, 128) tiles, with chunks of one
     (128, 128) matrix: every TPU form forced on XLA:CPU (pieces, barriers, buffers in tile
-    order, a stack's chunks in a loop) trains bit for bit as the CPU form."""
+    order, an exchange stack's chunks one by one, no loop: ``sharded._exchange_runs``)
+    trains bit for bit as the CPU form."""
     from muon_optax.step import rows, sharded
 
     monkeypatch.setattr(g, "D", 128)
@@ -247,7 +248,7 @@ def test_mesh_nnx_optimizer_with_tiled_buffers_and_chunk_loops(monkeypatch):
 
     want_losses, want = _fsdp_training(monkeypatch, (), 8)
     got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 8)
-    assert any(tiled) and loops   # the tile order and the chunks' loop were taken
+    assert any(tiled) and not loops   # the tile order taken; exchange stacks never loop
     assert got_losses == want_losses
     for path, x in want.items():
         np.testing.assert_array_equal(got[path], x, err_msg=path)
@@ -257,10 +258,10 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``) on 4
     devices with 5 layers: the MLP stack (c_fc, and c_proj stored wide) is two matrices a
     device and one more on two of them. In the TPU forms (forced on XLA:CPU) that slot
-    joins the lone last chunk in a loop,
-    masked where not owned, not a ``cond`` of its own; training follows the CPU form to
-    rounding (XLA:CPU fuses the kernel inside a ``cond`` otherwise; three steps carry it
-    to 3e-7). The unowned slots' state is checked in tests/test_collectives.py."""
+    runs under a ``cond`` of its own, as in the CPU form (an exchange stack never loops:
+    ``sharded._exchange_runs``); training follows the CPU form to rounding (XLA:CPU
+    fuses the kernel inside a ``cond`` otherwise; three steps carry it to 3e-7). The
+    unowned slots' state is checked in tests/test_collectives.py."""
     from muon_optax.step import sharded
 
     monkeypatch.setattr(g, "D", 128)
@@ -273,19 +274,19 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     want_losses, want = _fsdp_training(monkeypatch, (), 4)
     masked.clear()   # (the CPU run traces the TPU form too, lax.platform_dependent)
     got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 4)
-    assert any(isinstance(j, jax.Array) for j in masked)   # the loop's masked slot
+    assert 2 in masked and not any(isinstance(j, jax.Array) for j in masked)  # a cond's
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for path, x in want.items():
         _close_but_mask_flips(got[path], x, path)
 
 
-def test_mesh_nnx_optimizer_with_chunks_over_the_budget(monkeypatch):
+def test_mesh_nnx_optimizer_with_equal_chunks_under_the_budget(monkeypatch):
     """The README's FSDP run on 2 devices with 5 layers and chunks of four (128, 128)
     matrices. In the TPU forms (forced on XLA:CPU) each device's 10 attention matrices
-    of a stack go in one loop of two chunks of 5 (the CPU form: 4, 4 and 2), and its 5
-    MLP matrices (c_fc, and c_proj stored wide) in one of 4 and one more. Training follows
-    the CPU form to rounding. (A slot under a ``cond``, which 2 devices no longer have:
-    tests/test_collectives.py.)"""
+    of a stack go in 5 chunks of 2 (the CPU form: 4, 4 and 2), and its 5 MLP matrices
+    (c_fc, and c_proj stored wide) one by one, none in a loop (an exchange stack:
+    ``sharded._exchange_runs``). Training follows the CPU form to rounding. (A slot under
+    a ``cond``, which 2 devices no longer have: tests/test_collectives.py.)"""
     from muon_optax.step import sharded
 
     monkeypatch.setattr(g, "D", 128)
@@ -294,11 +295,18 @@ def test_mesh_nnx_optimizer_with_chunks_over_the_budget(monkeypatch):
     loops, real_loop = [], sharded.kernel_in_loop
     monkeypatch.setattr(sharded, "kernel_in_loop", lambda st, g_all, per, *a: loops.append(
         (st.rows, st.cols, g_all.shape[0], per)) or real_loop(st, g_all, per, *a))
+    steps, real_step = [], sharded._stack_step
+    monkeypatch.setattr(sharded, "_stack_step", lambda k, sp, plan, *a: steps.append(
+        (sp.stack.rows, sp.stack.cols, sharded._runs(sp, plan, a[-1])))
+        or real_step(k, sp, plan, *a))
 
     want_losses, want = _fsdp_training(monkeypatch, (), 2)
     loops.clear()   # (the CPU run traces the TPU form too)
+    steps.clear()
     got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 2)
-    assert (128, 128, 10, 5) in loops and (128, 512, 4, 1) in loops, loops
+    assert not loops, loops
+    assert (128, 128, [[(j, j + 2)] for j in range(0, 10, 2)]) in steps, steps
+    assert (128, 512, [[(j, j + 1)] for j in range(5)]) in steps, steps
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for path, x in want.items():
         _close_but_mask_flips(got[path], x, path)
