@@ -382,8 +382,9 @@ def test_tpu_form_cuts_a_stack_into_equal_chunks_a_little_over_the_budget():
     runs them all: chunks as equal as their count allows (6 slots at 4 a chunk: 3 and
     3), else a divisor of the slots up to half as large again as the budget's chunk (10
     at 4: 5 and 5, not 4, 4 and 2), else as before (7 at 4: 4 and 3). Elsewhere chunks
-    of the budget. An exchange stack (FSDP) on TPU: chunks of the largest divisor up to
-    the budget's, each a run of its own (no loop)."""
+    of the budget. An exchange stack (FSDP) on TPU over 1.5 budgets: chunks of the
+    largest divisor up to the budget's, each a run of its own (no loop); within: as
+    any other stack."""
     from types import SimpleNamespace
 
     from muon_optax.step import sharded
@@ -402,7 +403,8 @@ def test_tpu_form_cuts_a_stack_into_equal_chunks_a_little_over_the_budget():
     assert runs(7, 4, True) == [[(0, 4)], [(4, 7)]]
     assert runs(10, 4, False) == [[(0, 4)], [(4, 8)], [(8, 10)]]
     assert runs(10, 4, True, "exchange") == [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)], [(8, 10)]]
-    assert runs(6, 4, True, "exchange") == [[(0, 3)], [(3, 6)]]
+    assert runs(7, 4, True, "exchange") == [[(j, j + 1)] for j in range(7)]
+    assert runs(6, 4, True, "exchange") == [[(0, 3), (3, 6)]]
     assert runs(5, 1, True, "exchange") == [[(j, j + 1)] for j in range(5)]
     assert runs(10, 4, False, "exchange") == [[(0, 4)], [(4, 8)], [(8, 10)]]
 
