@@ -185,11 +185,19 @@ def test_sigint_to_one_of_two_processes_stops_both_at_one_step(procs, tmp_path, 
     assert "interrupted (SIGINT on process 1)" in procs.output(pair[0])
     assert read_log(out)[-1]["step"] == stopped_at
 
+    # Resumed under FSDP, and stopped again from the other process a few steps on (the
+    # resume runs to the end in test_sigterm_then_resume_equals_an_uninterrupted_run).
     pair = _start_pair(procs, "again", out, corpus, *steps, "--resume", "--fsdp")
-    assert procs.wait(pair, RUN_TIMEOUT_S) == [0, 0], procs.report(pair)
+    procs.until(lambda: logged_steps(out) >= stopped_at + 4, pair, RUN_TIMEOUT_S,
+                "three resumed steps")
+    os.kill(pair[0].pid, signal.SIGINT)
+    assert procs.wait(pair, STOP_TIMEOUT_S) == [130, 130], procs.report(pair)
     assert (f"(step {stopped_at}; written on 4 devices in 2 processes (ZeRO-2), continued on "
             f"4 devices in 2 processes (FSDP))") in procs.output(pair[0])
-    assert [r["step"] for r in read_log(out)] == list(range(PAIR_STEPS + 1))
+    assert "interrupted (SIGINT on process 0)" in procs.output(pair[0])
+    again = int(checkpoints(out)[-1])
+    assert checkpoints(out) == [str(stopped_at), str(again)] and again < PAIR_STEPS
+    assert [r["step"] for r in read_log(out)] == list(range(again + 1))
 
 
 @pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")
