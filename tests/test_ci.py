@@ -131,7 +131,7 @@ def test_newest_leg_runs_the_tpu_tests_in_a_venv_of_their_own_and_fails_with_the
         "newest: Python 3.13.0, jax fake: passed; TPU compiler tests: FAILED (exit 1)"]
     calls = (repo / "python.log").read_text().splitlines()
     assert calls == ["3.11.7 -m pytest -q -n 2", "3.13.0 -m pytest -q -n 2",
-                     "3.13.0-tpu -c import libtpu, flax.nnx",   # else the TPU tests skip or fail unnamed
+                     "3.13.0-tpu -c import libtpu, flax.nnx",   # else they skip, or fail unnamed
                      "3.13.0-tpu -m pytest -q -p no:xdist tests/test_tpu_compile.py"]
     assert not (repo / "repo" / ".venv-tpu").exists()   # removed after its step
     assert "then the TPU compiler's tests in .venv-tpu" in res.stdout
