@@ -372,7 +372,10 @@ def test_tpu_form_runs_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch, con
     with monkeypatch.context() as m:
         got, tpu_hlo = _two_steps(contender, sites, m, n=n, layers=layers)
     conds = [h.count("stablehlo.case") + h.count("stablehlo.if") for h in (cpu_hlo, tpu_hlo)]
-    assert conds[1] < conds[0], conds
+    if contender == "zero2":    # the slot's cond gone into the loop
+        assert conds[1] < conds[0], conds
+    else:                       # FSDP: no loop to take it, the cond kept
+        assert conds[1] <= conds[0], conds
     for a, b in zip(want, got):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
