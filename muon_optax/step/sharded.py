@@ -87,8 +87,8 @@ def _owned(sp: StackPlan, comm: Collectives, j):
 def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hps, comm,
                count, prev, run: list[tuple[int, int]]):
     """Equal chunks ``run`` as one kernel in a loop (:func:`kernel_in_loop`), the gradients
-    loaded before it and the directions stored after it (never an exchange stack's:
-    :func:`_exchange_runs`)."""
+    loaded before it and the directions stored after it (an exchange stack's only within
+    1.5 budgets: :func:`_runs`)."""
     st, lo, per = sp.stack, run[0][0], run[0][1] - run[0][0]
     n = len(run) * per
     extra = lo + n > sp.base     # a slot some devices do not own: masked there (_runs)
@@ -137,9 +137,10 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
     holds them all, in and out: no more than its largest chunk may), else
     :func:`_exchange_runs`."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
-    spans = chunks(sp.base, matrix_bytes, chunk_bytes(plan))
+    budget = chunk_bytes(plan)
+    spans = chunks(sp.base, matrix_bytes, budget)
     if (loop_bytes and spans and sp.transport == EXCHANGE
-            and 2 * sp.base * matrix_bytes > 3 * chunk_bytes(plan)):
+            and 2 * sp.base * matrix_bytes > 3 * budget):
         return _exchange_runs(sp.base, spans[0][1] - spans[0][0])
     if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
         per, cap = -(-sp.base // len(spans)), spans[0][1] - spans[0][0]
