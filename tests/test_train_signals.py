@@ -15,11 +15,13 @@ running when the test ends or a timeout passes.
   unfinished folder and resumes from the last complete checkpoint.
 """
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,16 +46,19 @@ FAST_XLA = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_
 
 
 def _env(cache_dir):
+    """The children's environment; ``cache_dir=None`` runs without jax's persistent cache."""
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags + FAST_XLA)
     env["JAX_PLATFORMS"] = "cpu"
-    # One compilation cache for the module's processes: a resumed run, or the second
-    # process of a pair, loads the train step instead of compiling it again.
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if cache_dir is not None:
+        # One compilation cache for the module's single processes: a resumed run loads the
+        # train step instead of compiling it again.
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
@@ -68,8 +73,12 @@ class Processes:
 
     def start(self, name, *args, script=TRAIN):
         log = open(self.tmp_path / f"{name}.txt", "w")
+        # A --distributed process runs without the persistent cache: on jaxlib 0.12.1 (CPU,
+        # gloo) a multi-process program loaded from it hangs in its first collective (the
+        # step-0 evaluation), even where only process 0 loads it; 0.10.2 and 0.12.0.1 run it.
+        env = _env(None if "--distributed" in args else self.cache_dir)
         proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(self.cache_dir), cwd=REPO)
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO)
         proc.name, proc.log = name, self.tmp_path / f"{name}.txt"
         self.procs.append(proc)
         return proc
@@ -338,6 +347,28 @@ def test_a_duplicate_process_id_is_named_by_both(procs, tmp_path, corpus):
     assert "give each of the 2 processes its own --process-id" in refused
     assert "--process-id 0 was given to two processes of this run" in waiting, waiting
     assert "Traceback" not in procs.report(pair)
+
+
+def test_a_lock_taken_a_moment_before_names_its_holder(tmp_path):
+    """Two processes started at once: the second can find the first's lock held but still
+    empty (taken, not yet written); it reads it again and names the holder."""
+    if str(TRAIN.parent) not in sys.path:
+        sys.path.insert(0, str(TRAIN.parent))
+    import outlock
+
+    run = {"coordinator": "127.0.0.1:1", "num_processes": 2}
+    first = outlock.OutLock(tmp_path, 0, run, ["--process-id", "0"])
+    fd = os.open(outlock.lock_path(tmp_path, 0), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    writer = threading.Timer(0.3, os.write, (fd, json.dumps(first.info).encode()))
+    writer.start()
+    try:
+        with pytest.raises(outlock.FolderBusy, match=rf"--process-id 0 is taken in --out .*: "
+                                                     rf"pid {os.getpid()} on host "):
+            outlock.OutLock(tmp_path, 0, run, ["--process-id", "0"]).acquire()
+    finally:
+        writer.join()
+        os.close(fd)
 
 
 @pytest.mark.skipif(not gloo_available(), reason="this jaxlib has no gloo CPU collectives")

@@ -53,6 +53,15 @@ def _read(path: Path) -> dict:
     return info if isinstance(info, dict) else {}
 
 
+def _holder(path: Path, wait_s: float = 2.0) -> dict:
+    """What a held lock file says of its holder. A holder writes right after it takes the
+    lock, so a file still empty (two processes started at once) is read again briefly."""
+    deadline = time.monotonic() + wait_s
+    while not (info := _read(path)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return info
+
+
 def held(path: Path) -> bool:
     """Whether a live process holds the lock on ``path`` (a probe that takes nothing)."""
     try:
@@ -99,7 +108,7 @@ class OutLock:
             os.close(fd)
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise
-            raise FolderBusy(self._busy_message(_read(path))) from None
+            raise FolderBusy(self._busy_message(_holder(path))) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(self.info).encode())
         self._fd = fd
