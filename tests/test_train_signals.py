@@ -152,7 +152,6 @@ def checkpoints(out):
 def test_sigterm_then_resume_equals_an_uninterrupted_run(procs, tmp_path, corpus):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     common = [*TINY, "--data", corpus]
-    reference = procs.start("whole", *common, "--out", whole)
     run = procs.start("cut", *common, "--out", cut)
     procs.until(lambda: logged_steps(cut) >= 3, [run], RUN_TIMEOUT_S, "two steps")
     config = json.loads((cut / "config.json").read_text())  # written at the start
@@ -164,7 +163,9 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(procs, tmp_path, corpus
     assert f"interrupted (SIGTERM): checkpoint of step {stopped_at}" in procs.output(run)
     assert json.loads((cut / "config.json").read_text())["status"] == "stopped (SIGTERM)"
 
+    # The uninterrupted run starts now, to load the steps the cut one compiled.
     resumed = procs.start("resumed", *common, "--out", cut, "--resume")
+    reference = procs.start("whole", *common, "--out", whole)
     assert procs.wait([resumed, reference], RUN_TIMEOUT_S) == [0, 0], procs.report(
         [resumed, reference])
     assert f"(step {stopped_at})" in procs.output(resumed)
