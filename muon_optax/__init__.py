@@ -1,9 +1,7 @@
-"""muon_optax: nanochat's Muon + AdamW optimizer for JAX, as optax transformations (usage:
-the README). Each folder imports only from itself and those above it here
-(``tests/test_package.py`` checks it):
+"""muon_optax: nanochat's Muon + AdamW optimizer for JAX, as optax transformations (usage: the
+README). Each folder imports only from itself and those above it (``tests/test_package.py``):
 
-    rule/    nanochat's rule on arrays: coefficients, polar iteration, Muon and AdamW
-             kernels, the groups' hyperparameters; optax's and torch's (contrib.py)
+    rule/    the rules on arrays (nanochat's; optax's, torch's): polar iteration, kernels, hparams
     params/  what the params are: labels, dimension numbers, matrix leaves, stacks
     plan/    the static plan: owners, transports, layouts, the state's layout
     step/    the traced update: one device, sharded, the transports, the mesh= form
@@ -11,12 +9,11 @@ the README). Each folder imports only from itself and those above it here
     tools/   describe and estimate
     api/     the public constructors
 
-One update: ``step/engine.py:local_update`` steps the AdamW leaves where they lie, then
-Muon: ``step/one_device.py`` on one device, else ``step/sharded.py``, which loads each
-stack's owned matrices through ``step/transport.py`` (``step/exchange.py`` for split
-ones), runs ``rule/muon.py``'s kernel and stores the directions back;
-``step/matrices.py`` finishes each leaf (the cautious update). Under ``mesh=``,
-``step/jit_mode.py`` wraps it in a shard_map.
+One update: ``step/engine.py:local_update`` steps the AdamW leaves where they lie, then Muon:
+``step/one_device.py`` on one device, else ``step/sharded.py``, which loads each stack's owned
+matrices through ``step/transport.py`` (``step/exchange.py`` for split ones), runs
+``rule/muon.py``'s kernel and stores the directions back; ``step/matrices.py`` finishes each
+leaf (the cautious update). Under ``mesh=``, ``step/jit_mode.py`` wraps it in a shard_map.
 """
 
 from muon_optax.api.contrib import contrib_muon

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from muon_optax.rule.adamw import adamw_hparams, adamw_leaf_update, update_in_param_dtype
+from muon_optax.rule.adamw import adamw_leaf_update, update_in_param_dtype
 from muon_optax.rule.hparams import AdamWConfig
 
 try:
@@ -85,7 +85,7 @@ def test_leaf_update_matches_optax_adamw(nesterov, eps_root, mu_dtype):
     for step in range(10):
         g = jax.random.normal(keys[step + 1], p.shape)
         want, state = tx.update(g, state, p)
-        hp = adamw_hparams(cfg, jnp.int32(step))
+        hp = cfg.at(jnp.int32(step))
         got, m, v = adamw_leaf_update(g, p, m, v, jnp.int32(step + 1), hp, cfg=cfg)
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
         np.testing.assert_array_equal(m, state[0].mu)
@@ -94,6 +94,5 @@ def test_leaf_update_matches_optax_adamw(nesterov, eps_root, mu_dtype):
 
 
 def test_eps_root_is_left_out_when_zero():
-    assert "eps_root" not in adamw_hparams(AdamWConfig.make(0.1, (0.9, 0.99), 1e-8, 0.0), 0)
-    assert "eps_root" in adamw_hparams(
-        AdamWConfig.make(0.1, (0.9, 0.99), 1e-8, 0.0, eps_root=1e-9), 0)
+    assert "eps_root" not in AdamWConfig.make(0.1, (0.9, 0.99), 1e-8, 0.0).at(0)
+    assert "eps_root" in AdamWConfig.make(0.1, (0.9, 0.99), 1e-8, 0.0, eps_root=1e-9).at(0)

@@ -45,11 +45,8 @@ from muon_optax.state.optax_state import ADAM, MUON, MUON_NO_DECAY
 
 # optax's names ("standard", "dion"), and muon_optax's for the same or more.
 CONTRIB_PRESETS: dict[str, Coeffs] = {
-    "standard": QUINTIC_COEFFS,
-    "dion": DION_COEFFS,
-    "quintic": QUINTIC_COEFFS,
-    "polar_express": POLAR_EXPRESS_COEFFS,
-}
+    "standard": QUINTIC_COEFFS, "dion": DION_COEFFS,
+    "quintic": QUINTIC_COEFFS, "polar_express": POLAR_EXPRESS_COEFFS}
 CONTRIB_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
 _FLAX_LAYOUT = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
@@ -107,9 +104,8 @@ class _Split:
                 and block_counts(d) == (1, 1) else d for x, d in zip(leaves, dims)]
 
     def decayed(self, params: Any, dims: list[Any]) -> list[bool]:
-        """Per leaf: True where the Muon weight decay applies. As optax, the mask (or the
-        callable's result on the params with ``optax.MaskedNode()`` at Adam leaves) is a
-        tree of bools with the params' structure or a prefix of it."""
+        """Per leaf: whether the Muon weight decay applies. As optax's, the mask (or the
+        callable's result on the params, ``MaskedNode()`` at Adam leaves): bools, a prefix."""
         leaves, treedef = jax.tree.flatten(params)
         if self.mask is None:
             return [True] * len(leaves)
@@ -135,26 +131,23 @@ class _Split:
 
     def reasons(self, params: Any) -> Any:
         """Why each leaf went where it did (for :func:`muon_optax.describe`)."""
-        given = "muon_weight_dimension_numbers"
-        dims = self.dims(params)
-        decayed = self.decayed(params, dims)
+        given, dims = "muon_weight_dimension_numbers", self.dims(params)
         why = [(f"{given} None" if self.spec is not None else "not 2-D (optax's rule)")
                if d is None else (given if self.spec is not None else "2-D (optax's rule)")
-               + ("" if w else ", weight_decay_mask False") for d, w in zip(dims, decayed)]
+               + ("" if w else ", weight_decay_mask False")
+               for d, w in zip(dims, self.decayed(params, dims))]
         return jax.tree.structure(params).unflatten(why)
 
     def dimension_numbers(self, params: Any) -> Any:
         return jax.tree.structure(params).unflatten(self.dims(params))
 
 
+@dataclasses.dataclass(frozen=True, eq=False, repr=False, slots=True)
 class Fixed:
     """A default that ``optax.inject_hyperparams`` leaves alone (it injects ints, floats and
     arrays), equal to and shown as its number: see :func:`contrib_muon`."""
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: int | float):
-        self.value = value
+    value: int | float
 
     def __repr__(self) -> str:
         return repr(self.value)
@@ -166,18 +159,16 @@ class Fixed:
         return hash(self.value)
 
 
-def static_number(value: Any, name: str, where: str = "contrib_muon") -> Any:
-    """A number that shapes the program: a :class:`Fixed` default unwrapped, a concrete
-    0-d array (``optax.inject_hyperparams`` outside ``jax.jit``) read as a Python number,
-    or a clear error for a traced one."""
+def static_number(value: Any, name: str) -> Any:
+    """A number that shapes the program: a :class:`Fixed` unwrapped, a concrete 0-d array
+    (``optax.inject_hyperparams`` outside ``jax.jit``) as a Python number; traced: an error."""
     if isinstance(value, Fixed):
         return value.value
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            f"{where}: {name} arrives traced (optax.inject_hyperparams injects every number "
-            f"it is given, and this call runs under jax.jit), but {name} fixes the compiled "
-            f"program. Leave it at its default (which inject_hyperparams does not inject), "
-            f"or pass static_args=({name!r},) to optax.inject_hyperparams.")
+            f"contrib_muon: {name} arrives traced (optax.inject_hyperparams under jax.jit), but "
+            f"it fixes the compiled program. Leave it at its default (which inject_hyperparams "
+            f"does not inject), or pass static_args=({name!r},) to optax.inject_hyperparams.")
     if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
         return np.asarray(value).item()
     return value
@@ -211,27 +202,22 @@ def contrib_muon(
 ) -> optax.GradientTransformationExtraArgs:
     """``optax.contrib.muon`` on muon_optax's engine: a drop-in with the same updates.
 
-    Arguments as ``optax.contrib.muon`` (optax 0.2.8), with its names and defaults (the
-    rule: the module docstring). Differences: ``ns_coeffs`` also takes the presets
-    ``"quintic"`` (= ``"standard"``) and ``"polar_express"``; a table longer than
-    ``ns_steps``, ``ns_steps < 1`` and complex parameters are refused; the Newton-Schulz
-    iteration runs in float32 whatever the parameter dtype (optax: the momentum's).
+    Arguments as ``optax.contrib.muon`` (optax 0.2.8), its names and defaults (the rule: the
+    module docstring). Differences: ``ns_coeffs`` also takes ``"quintic"`` (= ``"standard"``)
+    and ``"polar_express"``; a table longer than ``ns_steps``, ``ns_steps < 1`` and complex
+    parameters are refused; Newton-Schulz runs in float32 (optax: the momentum's dtype).
 
-    Under ``optax.inject_hyperparams(contrib_muon)`` the numbers are injected as optax's
-    are, except ``ns_steps`` and ``eps`` at their defaults (they fix the program, so it
-    works without ``static_args``, as for optax's); given explicitly, pass them in
-    ``static_args`` (as optax's tests do for ``ns_steps``), as ``consistent_rms`` and an
-    array ``ns_coeffs``.
+    Under ``optax.inject_hyperparams(contrib_muon)`` numbers are injected as for optax's, except
+    ``ns_steps`` and ``eps`` at their defaults (they fix the program; no ``static_args`` needed);
+    given explicitly, pass them in ``static_args``, as ``consistent_rms`` and array ``ns_coeffs``.
 
     Args (the engine's additions):
       axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
-        :func:`muon_optax.muon_adamw`: sharding (ZeRO-2 inside your ``jax.shard_map``, or
-        ``mesh`` with params laid out in any way), clipping and skipped non-finite steps.
+        :func:`muon_optax.muon_adamw` (sharding, clipping, skipped non-finite steps).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`muon_optax.MuonAdamWState`; ``update`` needs ``params`` and ignores extra
-      keyword arguments (``value=loss``, ...), as optax's.
+      An ``optax.GradientTransformationExtraArgs`` (a :class:`MuonAdamWState`); ``update``
+      needs ``params`` and ignores extra keyword arguments (``value=loss``, ...), as optax's.
     """
     where = "contrib_muon"
     ns_steps, eps = static_number(ns_steps, "ns_steps"), static_number(eps, "eps")
@@ -254,9 +240,8 @@ def contrib_muon(
     if weight_decay_mask is not None:   # undecayed Muon leaves (stacked with the decayed ones)
         configs[MUON_NO_DECAY] = dataclasses.replace(muon_cfg, weight_decay=0.0)
     split = _Split(muon_weight_dimension_numbers, weight_decay_mask)
-    tx = build(configs, split.labels, dimension_numbers=split.dimension_numbers,
-               axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=where,
-               max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+    tx = build(configs, split.labels, where, split.dimension_numbers, axis_name, mesh,
+               param_specs, max_grad_norm, skip_nonfinite)
 
     def update(updates, state, params=None, **extra_args):  # extra_args ignored, as optax's
         return tx.update(updates, state, params)

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-from muon_optax.plan.specs import check_owner_args, owner_axes
+from muon_optax.plan.specs import owner_axes
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig, Scalar, parse_groups
 from muon_optax.state.init import Init
 from muon_optax.step.engine import Options, local_fns
@@ -19,18 +19,16 @@ from muon_optax.step.jit_mode import wrap_in_shard_map
 SMALL_PARAM_THRESHOLD = 1024
 
 
-def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, *,
-          dimension_numbers: Any = None, axis_name: Any = None,
-          mesh: jax.sharding.Mesh | None = None, param_specs: Any = None,
-          small_param_threshold: int = SMALL_PARAM_THRESHOLD,
-          name: str = "muon_adamw", max_grad_norm: Any = None,
-          skip_nonfinite: bool = False) -> optax.GradientTransformation:
+def build(configs: Mapping[str, AdamWConfig | MuonConfig], param_labels: Any, name: str,
+          dimension_numbers: Any, axis_name: Any, mesh: jax.sharding.Mesh | None,
+          param_specs: Any, max_grad_norm: Any, skip_nonfinite: bool,
+          small_param_threshold: int = SMALL_PARAM_THRESHOLD) -> optax.GradientTransformation:
     """The engine as an optax transformation, for any groups (every constructor's)."""
-    check_owner_args(axis_name, mesh, name)
+    axes = owner_axes(axis_name, mesh, name)
     if isinstance(small_param_threshold, bool) or not isinstance(small_param_threshold, int):
         raise TypeError("small_param_threshold must be an int (elements).")
     max_grad_norm = check_options(max_grad_norm, skip_nonfinite, name)
-    opts = Options(dict(configs), param_labels, dimension_numbers, owner_axes(axis_name), mesh,
+    opts = Options(dict(configs), param_labels, dimension_numbers, axes, mesh,
                    param_specs, small_param_threshold, name, max_grad_norm, skip_nonfinite)
     init_fn, update_fn = wrap_in_shard_map(opts) if mesh is not None else local_fns(opts)
     return optax.GradientTransformation(Init(init_fn, opts), update_fn)
@@ -51,10 +49,9 @@ def muon_adamw(
     """nanochat's MuonAdamW: AdamW and Muon parameter groups in one transformation.
 
     Args:
-      groups: group name -> a dict in nanochat's ``param_groups`` format without
-        ``params`` (``rule/hparams.py``): ``kind="adamw"`` or ``"muon"``, ``lr``, and
-        optionally the hyperparameters (and Muon's options) of :func:`muon_optax.adamw`
-        or :func:`muon_optax.muon`, with their defaults. Every scalar may be a schedule.
+      groups: group name -> a dict as nanochat's ``param_groups`` without ``params``
+        (``rule/hparams.py``): ``kind`` (``"adamw"``/``"muon"``), ``lr``, optionally the
+        arguments of :func:`muon_optax.adamw`/``muon`` (same defaults); scalars may be schedules.
       param_labels: the params' tree with a group name at every leaf, or a callable
         params -> such a tree (see :func:`muon_optax.label_by_path`).
       dimension_numbers: a Muon leaf's input and output axes (and blocks), as
@@ -65,16 +62,14 @@ def muon_adamw(
         Without ``mesh``: ZeRO-2 inside your ``jax.shard_map``, where ``init`` and
         ``update`` run, the params whole on every device, and ``update`` takes each
         device's own, unreduced gradients (see :func:`muon_optax.state_specs`).
-      mesh: with ``axis_name``, for plain ``jax.jit`` steps. The params may be laid out in
-        any way (replicated, FSDP, tensor parallel, 2-D): each Muon matrix moves whole to
-        its owner and its direction back (all-to-all), AdamW params update where they
-        lie, the state is split over ``axis_name``; the gradients are the usual
-        (averaged) ones.
+      mesh: with ``axis_name``, for plain ``jax.jit`` steps on params laid out in any way
+        (replicated, FSDP, tensor parallel, 2-D): each Muon matrix moves whole to its owner
+        and its direction back (all-to-all), AdamW params update where they lie, the state
+        is split over ``axis_name``; the gradients are the usual (averaged) ones.
       param_specs: with ``mesh``, the params' layouts: a tree of ``PartitionSpec`` or
         ``NamedSharding`` (``nnx.Variable`` boxes accepted), a callable params -> such a
-        tree, or one ``PartitionSpec`` for all. Needed only under ``jax.jit`` on
-        ``AxisType.Auto`` axes when ``init`` was not called eagerly on the placed params
-        (its state records them); else tracing raises.
+        tree, or one ``PartitionSpec`` for all. Needed (else tracing raises) only under
+        ``jax.jit`` on Auto axes when ``init`` did not see the placed params eagerly.
       small_param_threshold: under ``axis_name``, AdamW params whole on every device with
         fewer elements are all-reduced and replicated instead of split.
       max_grad_norm: scale the mean gradient ``g`` by ``min(1, max_grad_norm / ||g||)``
@@ -85,22 +80,17 @@ def muon_adamw(
         such steps (in a chain, in this transformation's part: ``state[1].skipped``).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`MuonAdamWState`; ``update`` needs
-      ``params``.
+      An ``optax.GradientTransformation`` (:class:`MuonAdamWState`); ``update`` needs params.
     """
     if isinstance(small_param_threshold, jax.Array):
-        # optax.inject_hyperparams(muon_adamw) finds this argument only: say what to do.
-        raise TypeError(
-            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the "
-            "hyperparameters live in the groups dict, which it leaves alone (it took "
-            "small_param_threshold for one). Schedule a group's values instead: every scalar "
-            "of a group may be an optax schedule, e.g. dict(kind='muon', "
-            "lr=optax.cosine_decay_schedule(0.02, 1000)), and current_hyperparams(tx, state) "
-            "reads them back; or inject into muon_optax.muon / adamw inside optax.partition.")
-    return build(parse_groups(groups), param_labels, dimension_numbers=dimension_numbers,
-                 axis_name=axis_name, mesh=mesh, param_specs=param_specs,
-                 small_param_threshold=small_param_threshold, max_grad_norm=max_grad_norm,
-                 skip_nonfinite=skip_nonfinite)
+        raise TypeError(  # optax.inject_hyperparams(muon_adamw) found only this argument
+            "muon_adamw: optax.inject_hyperparams has nothing to inject here: the hyperparameters "
+            "live in the groups dict (it took small_param_threshold for one). Make a group's "
+            "values optax schedules instead, e.g. dict(kind='muon', "
+            "lr=optax.cosine_decay_schedule(0.02, 1000)), which current_hyperparams(tx, state) "
+            "reads back; or inject into muon_optax.muon / adamw inside optax.partition.")
+    return build(parse_groups(groups), param_labels, "muon_adamw", dimension_numbers, axis_name,
+                 mesh, param_specs, max_grad_norm, skip_nonfinite, small_param_threshold)
 
 
 def muon(
@@ -131,19 +121,16 @@ def muon(
     inside ``optax.partition``; :func:`muon_optax.muon_adamw`'s Muon groups alike.
 
     Args:
-      lr: learning rate; a matrix with more rows than columns (out > in) gets
-        ``lr * sqrt(out / in)``.
+      lr: learning rate; a matrix with more rows than columns (out > in) gets ``lr sqrt(out / in)``.
       momentum: Nesterov momentum coefficient.
       ns_steps: polar iterations (static): 1..5 with Polar Express.
       beta2: decay rate of NorMuon's factored second moment.
       weight_decay: cautious decoupled weight decay, multiplied by ``lr``.
       row_equilibration: MuonEq row scaling before the polar iteration.
       renormalize: Muon+ rescaling of the polar factor to norm ``sqrt(min(R, C))``.
-      compute_dtype: dtype of the polar iteration; default float32 on CPU, bfloat16 on
-        accelerators.
-      polar_method: ``"auto"``: a float32 rectangular matrix's last polar steps in Gram
-        space where that saves FLOPs (``rule/polar.py``); ``"direct"``: every step as
-        written; ``"gram"``: Gram space.
+      compute_dtype: dtype of the polar iteration (default float32 on CPU, bfloat16 elsewhere).
+      polar_method: ``"auto"`` (a float32 rectangular matrix's last steps in Gram space where
+        that saves FLOPs: ``rule/polar.py``), ``"direct"`` (as written) or ``"gram"`` (all).
       dimension_numbers: as in :func:`muon_optax.muon_adamw`.
       ns_coeffs: each iteration's polynomial: ``"polar_express"`` (default; the first
         ``ns_steps`` of its five triples), ``"quintic"`` (Keller Jordan's ``(3.4445,
@@ -151,8 +138,7 @@ def muon(
         step), or an ``(n, 3)`` table (its first ``ns_steps`` rows).
       nesterov: Nesterov momentum ``lerp(g, buf, momentum)`` (default); False: the buffer.
       normuon: NorMuon's variance reduction (default on).
-      cautious: weight decay only where the update and the weight agree in sign
-        (default); False: plain decoupled decay ``-lr_eff wd P``.
+      cautious: decay only where update and weight agree in sign (default); False: ``-lr_eff wd P``.
       preconditioning: ``"basin"`` (``X / (1.01 ||X||_F + 1e-6)``, after MuonEq), ``"aol"``
         (Turbo-Muon's row scaling in the first iteration; may save one), or optax's
         ``"frobenius"``, ``"spectral"``, ``"schatten"``.
@@ -167,10 +153,8 @@ def muon(
                           renormalize, compute_dtype, polar_method, ns_coeffs=ns_coeffs,
                           nesterov=nesterov, normuon=normuon, cautious=cautious,
                           preconditioning=preconditioning, mu_dtype=mu_dtype, where="muon")
-    return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params),
-                 dimension_numbers=dimension_numbers, axis_name=axis_name, mesh=mesh,
-                 param_specs=param_specs, name="muon", max_grad_norm=max_grad_norm,
-                 skip_nonfinite=skip_nonfinite)
+    return build({"muon": cfg}, lambda params: jax.tree.map(lambda _: "muon", params), "muon",
+                 dimension_numbers, axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite)
 
 
 def adamw(
@@ -185,23 +169,20 @@ def adamw(
     max_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
-    """AdamW on every leaf with nanochat's hyperparameter names, alone or inside
-    ``optax.partition`` (:func:`muon_optax.muon_adamw`'s AdamW groups alike). Each scalar
-    may be an optax schedule.
+    """AdamW on every leaf with nanochat's hyperparameter names, alone or inside ``optax.partition``
+    (:func:`muon_optax.muon_adamw`'s AdamW groups alike). Each scalar may be an optax schedule.
 
     Args:
       lr: learning rate.
       betas: ``(b1, b2)``, the decay rates of the first and second moments.
       eps: added to the root of the second moment.
       weight_decay: decoupled decay, multiplied by ``lr``; needs ``params`` in ``update``.
-      axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
-        :func:`muon_optax.muon_adamw` (no ``small_param_threshold``: then
-        ``optax.inject_hyperparams`` sees only the hyperparameters).
+      axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in :func:`muon_adamw` (no
+        ``small_param_threshold``: ``optax.inject_hyperparams`` sees only hyperparameters).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is ``MuonAdamWState``.
     """
     cfg = AdamWConfig.make(lr, betas, eps, weight_decay, where="adamw")
-    return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params),
-                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name="adamw",
-                 max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+    return build({"adamw": cfg}, lambda params: jax.tree.map(lambda _: "adamw", params), "adamw",
+                 None, axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite)

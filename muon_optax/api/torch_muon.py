@@ -8,10 +8,9 @@ The rule, per matrix ``P`` of shape ``(out, in)``, gradient ``g`` (torch's defau
     P   = P - lr wd P - lr s O                  s = sqrt(max(1, out / in))   ("original")
                                                 s = 0.2 sqrt(max(out, in))   ("match_rms_adamw")
 
-It maps onto a :class:`~muon_optax.rule.contrib.ContribConfig` without ``adam``: nanochat's
-momentum (the same lerps), Frobenius preconditioning, and ``consistent_rms`` for
-``"match_rms_adamw"``. Two differences, within torch's rounding: torch divides by
-``max(||U||_F, eps)`` and always iterates in bfloat16 (here: ``compute_dtype``).
+It maps onto a :class:`~muon_optax.rule.contrib.ContribConfig` without ``adam``: nanochat's momentum
+(the same lerps), Frobenius preconditioning, ``consistent_rms`` for ``"match_rms_adamw"``. Unlike
+here (within its rounding), torch divides by ``max(||U||_F, eps)`` and always iterates in bfloat16.
 """
 
 from __future__ import annotations
@@ -85,10 +84,9 @@ def torch_muon(
 ) -> optax.GradientTransformation:
     """``torch.optim.Muon`` on muon_optax's engine: its arguments, names and defaults.
 
-    Every leaf is a Muon matrix in PyTorch's ``(out, in)`` layout (leading axes batch);
-    give vectors and scalars to another optimizer (``optax.partition``), as with torch.
-    Arguments as ``torch.optim.Muon`` (the rule: the module docstring), then the engine's
-    additions (as in :func:`muon_optax.muon`).
+    Every leaf is a Muon matrix in PyTorch's ``(out, in)`` layout (leading axes batch); give
+    vectors and scalars to another optimizer (``optax.partition``), as with torch. The rule:
+    the module docstring.
 
     Args:
       lr: learning rate, or an optax schedule of the step count (torch's LR schedulers).
@@ -97,14 +95,12 @@ def torch_muon(
         above (``None`` is ``"original"``).
       dimension_numbers: ``MuonDimensionNumbers`` (a tree of them or a callable; blocks
         allowed); default ``(reduction_axis=-1, output_axis=-2)``.
-      compute_dtype: dtype of the Newton-Schulz iteration; default float32 on CPU,
-        bfloat16 on accelerators (torch: always bfloat16).
+      compute_dtype: dtype of the iteration: default float32 on CPU, else bfloat16 (torch's).
       axis_name, mesh, param_specs, max_grad_norm, skip_nonfinite: as in
         :func:`muon_optax.muon_adamw` (ZeRO-2, ``mesh=``, clipping, skipped steps).
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a
-      :class:`muon_optax.MuonAdamWState`; ``update`` needs ``params``.
+      An ``optax.GradientTransformation`` (a :class:`MuonAdamWState`); ``update`` needs params.
     """
     if adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"{_WHERE}: adjust_lr_fn={adjust_lr_fn!r}; use None or 'original' "
@@ -120,6 +116,5 @@ def torch_muon(
         nesterov=nesterov, compute_dtype=compute_dtype, adam=False,
         consistent_rms=ADJUST_LR_FNS[adjust_lr_fn], where=_WHERE)
     dimension_numbers = PYTORCH_LAYOUT if dimension_numbers is None else dimension_numbers
-    return build({"muon": cfg}, _labels, dimension_numbers=dimension_numbers,
-                 axis_name=axis_name, mesh=mesh, param_specs=param_specs, name=_WHERE,
-                 max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+    return build({"muon": cfg}, _labels, _WHERE, dimension_numbers, axis_name, mesh, param_specs,
+                 max_grad_norm, skip_nonfinite)

@@ -43,12 +43,8 @@ def _by_name(name: str) -> bool:
         OTHER_MODULES.search(part) for part in name.split("/"))
 
 
-def label_by_path(
-    rules: Sequence[tuple[str, str]] = (),
-    *,
-    matrix: str = "muon",
-    other: str = "adamw",
-) -> Callable[[Any], Any]:
+def label_by_path(rules: Sequence[tuple[str, str]] = (), *, matrix: str = "muon",
+                  other: str = "adamw") -> Callable[[Any], Any]:
     """Returns ``params -> labels`` for :func:`muon_optax.muon_adamw`.
 
     Args:
@@ -56,13 +52,12 @@ def label_by_path(
         leaf's ``/``-joined path; the first match names the leaf's group.
       matrix: group of an unmatched leaf with two or more axes (a ``kernel``, a
         ``weight``), unless its name says otherwise (below).
-      other: group of every other unmatched leaf: scalars and vectors; whatever its rank,
-        a leaf named ``bias``, ``scale``, ``embedding``, ``embed`` (or ending in ``_bias``,
-        ...), or under a path component named ``embed(s)``, ``embedding(s)``,
-        ``unembed(ding)``, ``wte``, ``wpe`` or ``head``, alone or after ``_``
-        (``lm_head/kernel``); and an output head no name gives away: the only 2-D leaf
-        of the shape of an embedding table (a 2-D leaf under ``embed``, ``emb``, ``wte``,
-        ... with more rows than columns).
+      other: group of every other unmatched leaf: scalars and vectors; whatever its rank, a
+        leaf named ``bias``, ``scale``, ``embedding``, ``embed`` (or ending in ``_bias``, ...),
+        or under a path component named ``embed(s)``, ``embedding(s)``, ``unembed(ding)``,
+        ``wte``, ``wpe`` or ``head``, alone or after ``_`` (``lm_head/kernel``); and an output
+        head no name gives away: the only 2-D leaf of an embedding table's shape (a 2-D leaf
+        under ``embed``, ``emb``, ``wte``, ... with more rows than columns).
 
     Example, nanochat's split for a Flax GPT::
 
@@ -157,11 +152,10 @@ def flat_labels(param_labels: Any, params: Any, paths: Sequence[str],
 
 def attention_dimension_numbers(paths: Sequence[str],
                                 shapes: Sequence[tuple[int, ...]]) -> dict[int, Any]:
-    """Leaf index -> ``MuonDimensionNumbers`` for Flax attention kernels: each is one matrix,
-    as nanochat's ``c_q``/``c_proj`` (``(..., in, heads, head_dim)`` and ``(..., heads,
-    head_dim, out)``; leading axes stay batch axes). Only where a module holds a ``query``
-    and an ``out`` kernel whose head axes agree, so that a scanned ``nnx.Linear``'s
-    ``(L, in, out)`` keeps the default."""
+    """Leaf index -> ``MuonDimensionNumbers`` for Flax attention kernels: each is one matrix, as
+    nanochat's ``c_q``/``c_proj`` (``(..., in, heads, head_dim)`` and ``(..., heads, head_dim,
+    out)``; leading axes stay batch axes). Only where a module holds a ``query`` and an ``out``
+    kernel whose head axes agree: a scanned ``nnx.Linear``'s ``(L, in, out)`` keeps the default."""
     index = {path: i for i, path in enumerate(paths)}
     found: dict[int, Any] = {}
     for path, i in index.items():

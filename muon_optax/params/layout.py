@@ -1,11 +1,9 @@
-"""How Muon sees a parameter: matrices of ``R`` rows = output features by ``C`` columns =
-input features, and the stacks they join (static: from shapes, dtypes and labels). A block
-split reshapes a cut axis ``n`` into ``(blocks, n / blocks)``, the first a batch axis: a
-:class:`MatrixLeaf` is this *block view*. A matrix is stored in its leaf's axis order (a
-Flax ``(in, out)`` kernel as ``(C, R)``: a reshape, never a copy, where a transpose would
-be one on TPU), or, ``wide``, with its long side last, so that an MLP's two matrices share
-a stack; the steps that do not commute with transposition read a per-matrix flag.
-"""
+"""How Muon sees a parameter: matrices of ``R`` rows = output features by ``C`` columns = input
+features, and the stacks they join (static). A block split reshapes a cut axis ``n`` into
+``(blocks, n / blocks)``, the first a batch axis: a :class:`MatrixLeaf` is this *block view*. A
+matrix is stored in its leaf's axis order (a Flax ``(in, out)`` kernel as ``(C, R)``: a reshape,
+where a transpose would be a copy on TPU) or, ``wide``, long side last (an MLP's two matrices
+then share a stack); steps that do not commute with transposition read a per-matrix flag."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from muon_optax.params.dimension_numbers import (
     block_counts,
     is_dimension_numbers,
 )
-from muon_optax.params.labels import attention_dimension_numbers, path_str
+from muon_optax.params.labels import attention_dimension_numbers
 from muon_optax.params.variables import unbox, unboxed_structure
 
 DEFAULT_DIMENSION_NUMBERS = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
@@ -125,9 +123,8 @@ class MatrixLeaf:
 
     def stored_to_matrix(self, z: jax.Array) -> jax.Array:
         """Inverse of :meth:`matrix_to_stored`."""
-        mshape = tuple(self.shape[a] for a in self.matrix_axes)
         sides = self.sides
-        z = z.reshape((z.shape[0],) + tuple(mshape[a] for a in sides))
+        z = z.reshape((z.shape[0],) + tuple(self.shape[self.matrix_axes[a]] for a in sides))
         return jnp.transpose(z, (0,) + tuple(1 + a for a in np.argsort(sides)))
 
     @property
@@ -211,8 +208,7 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
         at[a] = tuple(range(len(vshape), len(vshape) + len(parts)))
         vshape += parts
     blocked = set(whole_r + whole_o) | set(split)
-    batch_axes = tuple(sorted([at[a][0] for a in range(len(shape))
-                               if a not in red + out or a in blocked]))
+    batch_axes = tuple(at[a][0] for a in range(len(shape)) if a not in red + out or a in blocked)
     red_v = tuple(at[a][-1] for a in red if a not in whole_r)
     out_v = tuple(at[a][-1] for a in out if a not in whole_o)
     batch, rows, cols = (math.prod(vshape[a] for a in axes) for axes in (batch_axes, out_v, red_v))
@@ -223,33 +219,31 @@ def matrix_leaf(index: int, path: str, leaf: Any, group: str,
                       splits=tuple((a, shape[a] // split[a]) for a in sorted(split)))
 
 
-def flat_dimension_numbers(dimension_numbers: Any, params: Any) -> list[Any]:
-    """Per-leaf ``MuonDimensionNumbers`` in flattening order; None where the default is
+def flat_dimension_numbers(dimension_numbers: Any, params: Any, paths: Sequence[str],
+                           leaves: Sequence[Any]) -> list[Any]:
+    """Per-leaf ``MuonDimensionNumbers`` of the flat ``params``; None where the default is
     ``(in, out)`` = the last two axes. The default reads Flax's attention kernels as one
     matrix each (:func:`muon_optax.params.labels.attention_dimension_numbers`)."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if is_dimension_numbers(dimension_numbers):
-        return [dimension_numbers] * treedef.num_leaves
-    if dimension_numbers is None:
-        dims = [None] * treedef.num_leaves
-    else:
+        return [dimension_numbers] * len(leaves)
+    dims = [None] * len(leaves)
+    if dimension_numbers is not None:
         tree = dimension_numbers(params) if callable(dimension_numbers) else dimension_numbers
+        treedef = unboxed_structure(params)
         try:
-            dims = unboxed_structure(params).flatten_up_to(unbox(tree))
+            dims = treedef.flatten_up_to(unbox(tree))
         except (ValueError, TypeError) as e:
             raise ValueError(
                 "dimension_numbers must be one MuonDimensionNumbers, or a tree with the "
                 "params' structure holding MuonDimensionNumbers (or None) at every leaf, or "
                 f"a callable params -> such a tree. Params: {treedef}.") from e
-    defaults = attention_dimension_numbers([path_str(p) for p, _ in flat],
-                                           [tuple(getattr(x, "shape", ())) for _, x in flat])
+    defaults = attention_dimension_numbers(paths, [tuple(x.shape) for x in leaves])
     return [defaults.get(i) if d is None else d for i, d in enumerate(dims)]
 
 
 def normuon_reduces_rows(rows: int, cols: int, transposed: bool) -> bool:
-    """Whether NorMuon averages a stored ``rows x cols`` matrix over its stored rows: the
-    short side, whichever way stored; a square averages its own columns, which are the
-    stored rows where it is stored transposed."""
+    """Whether NorMuon averages a stored ``rows x cols`` matrix over its stored rows: the short
+    side, however stored; a square, its own columns (its stored rows where stored transposed)."""
     return rows < cols if rows != cols else transposed
 
 

@@ -8,23 +8,20 @@ import numpy as np
 
 
 def lower_bound(costs: np.ndarray, n: int) -> float:
-    """A lower bound on the busiest device's load: the mean, the largest unit, and for every
-    ``k``, ``k + 1`` times the ``(k n + 1)``-th largest (some device gets ``k + 1`` of those:
-    24 big matrices on 16 devices put two on one, which the mean does not see)."""
+    """A lower bound on the busiest device's load: the mean, and for every ``k``, ``k + 1``
+    times the ``(k n + 1)``-th largest (``k = 0``: the largest unit; some device gets ``k + 1``
+    of those: 24 big matrices on 16 devices put two on one, which the mean does not see)."""
     p = np.sort(np.asarray(costs, float))[::-1]
-    bound = max(p.sum() / n, p[0] if len(p) else 0.0, 1e-30)
-    for k in range(1, (len(p) - 1) // n + 1):
-        bound = max(bound, (k + 1) * p[k * n])
-    return bound
+    tops = p[::n] * np.arange(1, len(p[::n]) + 1)
+    return max(p.sum() / n, tops.max(initial=0.0), 1e-30)
 
 
 def assign_owners(flops: Sequence[float], state: Sequence[float], num_devices: int,
                   fixed: Sequence[int] | None = None) -> np.ndarray:
     """Owner of every matrix: greedy longest-processing-time across all stacks, each to the
-    device with the least FLOPs so far. Where FLOPs and state disagree (many tiny matrices
-    beside a few large ones), a greedy balancing both over their lower bounds can do better:
-    the one with the smaller worse ratio is kept. ``fixed[i] >= 0`` pins matrix ``i`` to
-    that device (it already lives there)."""
+    device with the least FLOPs so far. Where FLOPs and state disagree (many tiny matrices beside
+    a few large ones), a greedy balancing both over their lower bounds can do better: the one
+    with the smaller worse ratio is kept. ``fixed[i] >= 0`` pins matrix ``i`` where it lives."""
     flops, state = np.asarray(flops, float), np.asarray(state, float)
     owners = np.full(len(flops), -1, np.int64) if fixed is None else np.asarray(fixed, np.int64)
     order = sorted(np.flatnonzero(owners < 0).tolist(), key=lambda i: (-flops[i], -state[i], i))

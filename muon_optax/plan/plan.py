@@ -1,9 +1,8 @@
-"""Who owns which Muon matrix, and where its pieces live on every device. Each Muon matrix
-has one *owner* among the ``N`` devices of the owner axes, which holds its state and runs its
-polar iteration, balanced by cost (:func:`assign_owners`). Every device runs the same
-program, so uneven ownership lives in data: each device's share of a flat buffer lists its
-matrices stack by stack (a *channel*), at offsets read from static tables indexed by the
-device."""
+"""Who owns which Muon matrix, and where its pieces live. Each matrix has one *owner* among
+the ``N`` devices of the owner axes, which holds its state and runs its polar iteration,
+balanced by cost (:func:`assign_owners`). Every device runs the same program, so uneven
+ownership lives in data: a device's share of a flat buffer (a *channel*) lists its matrices
+stack by stack, at offsets read from static tables indexed by the device."""
 
 from __future__ import annotations
 
@@ -53,16 +52,14 @@ class StackPlan:
         return self.routes[0]
 
     def variants(self) -> tuple[list[int], np.ndarray]:
-        """An ``"exchange"`` stack's members split differently (an MLP's ``c_fc`` on its
-        rows, ``c_proj`` on its columns): one member per distinct (route, matrix layout),
-        and each slot's variant, ``(N, S)``."""
+        """One member per distinct (route, matrix layout) of an ``"exchange"`` stack (an MLP's
+        ``c_fc`` splits its rows, ``c_proj`` its columns), and each slot's variant, ``(N, S)``."""
         keys = [(r, tuple(m.shape[a] for a in m.matrix_axes), m.sides)
                 for r, m in zip(self.routes, self.stack.members)]
-        first = {key: i for i, key in reversed(list(enumerate(keys)))}
-        reps = sorted(set(first.values()))
-        per_matrix = np.repeat([reps.index(first[key]) for key in keys],
-                               [m.batch for m in self.stack.members])
-        return reps, per_matrix[np.maximum(self.slots, 0)]
+        first = [keys.index(key) for key in keys]
+        reps = sorted(set(first))
+        variant = np.repeat([reps.index(i) for i in first], [m.batch for m in self.stack.members])
+        return reps, variant[np.maximum(self.slots, 0)]
 
     @property
     def counts(self) -> np.ndarray:
@@ -99,10 +96,9 @@ class StackPlan:
 
     @property
     def state_key(self) -> tuple[Any, ...]:
-        """``(parameter dtype, momentum dtype)``: stacks whose state shares buffers, so
-        each device may own a different mix. On one device each stack keeps its own (the
-        key adds its first leaf's index): a slice of a shared buffer that a step rewrites
-        gets copied, its own buffer is updated in place."""
+        """``(parameter dtype, momentum dtype)``: stacks whose state shares buffers, so each
+        device may own a different mix. On one device each stack keeps its own (plus its first
+        leaf's index): a step copies a slice of a shared buffer it rewrites, not a whole one."""
         mu = self.stack.config.mu_dtype
         key = (self.stack.dtype, self.stack.dtype if mu is None else np.dtype(mu))
         return key + (self.stack.members[0].index,) if self.slots.shape[0] == 1 else key
@@ -121,9 +117,8 @@ class Channel:
 
 
 def matrix_flops(stack: Stack, method: str = "direct") -> int:
-    """Cost of one matrix of ``stack``: its polar iteration and the elementwise math. The
-    owner plan counts the direct form (as written, and what accelerators run by default),
-    so that it is the same on every backend."""
+    """Cost of one matrix of ``stack``: its polar iteration and elementwise math. The owner
+    plan counts the direct form (accelerators' default), so it is the same on every backend."""
     return (polar_flops(stack.rows, stack.cols, stack.config.ns_steps, method)
             + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
 
@@ -183,9 +178,8 @@ def _channels(stacks: tuple[StackPlan, ...], size_of,
 def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
                     routes: Sequence[Sequence[Route | None]],
                     holders: Sequence[np.ndarray | None], num_devices: int) -> OwnerPlan:
-    """Assigns owners across all stacks and lays out every channel. ``routes[k]``: each
-    member's route (``"exchange"`` stacks); ``holders[k]`` pins a ``"local"`` stack's
-    matrices to the devices that hold them."""
+    """Assigns owners across all stacks and lays out every channel. ``routes[k]``: each member's
+    route (``"exchange"`` stacks); ``holders[k]`` pins a ``"local"`` stack's matrices there."""
     flops, state, fixed = [], [], []
     for stack, hold in zip(stacks, holders):
         # The state in the parameter dtype (the cost model only).
@@ -248,16 +242,6 @@ class TreePlan:
         return tuple(self.owner.momentum)
 
 
-def _stored_wide(transport: str) -> bool:
-    """Whether a Muon leaf is stored with its long side last (``MatrixLeaf.wide``): an MLP's
-    two matrices then share a stack, one program for both (on TPU, a fifth less kernel code
-    to compile). An exchange assembles each chunk from pieces, so a tall matrix is
-    transposed a chunk at a time. Elsewhere whole leaves are read at once (a gather packs
-    them; one device stacks a loop's chunks), and their transposes were alive together
-    (BENCHMARKS.md, "Means tried"), so they stay as laid out."""
-    return transport == EXCHANGE
-
-
 def _signature(transport: str, route: Route | None) -> tuple:
     """What else matrices must share to be batched: the transport, and for an exchange
     the sizes of its pieces and blocks (layouts may differ: see ``StackPlan.variants``)."""
@@ -283,15 +267,14 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             raise TypeError(f"{where}: parameter {path!r} is complex ({dtype}); the rule is "
                             "defined for real params only (the gradient's imaginary part would "
                             "be dropped). Store it as two real params (real and imaginary parts), "
-                            "or optimize it with another optax transformation "
-                            "(optax.multi_transform).")
+                            "or optimize it with another transformation (optax.multi_transform).")
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"{where}: parameter {path!r} is {dtype}, not a floating dtype: it "
                             "has no gradient to follow. Keep it out of the params tree (e.g. in "
                             "an nnx.Variable other than nnx.Param), or cast it to float32.")
     specs = list(specs) if specs is not None else [((),) * len(x.shape) for x in leaves]
     labels = flat_labels(param_labels, params, paths, list(configs))
-    dims = flat_dimension_numbers(dimension_numbers, params)
+    dims = flat_dimension_numbers(dimension_numbers, params, paths, leaves)
     n = math.prod(size for _, size in axes)
     adamw_leaves, matrices, kinds = [], [], {}
     for i, (path, x, label) in enumerate(zip(paths, leaves, labels)):
@@ -299,8 +282,11 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
         if not isinstance(configs[label], AdamWConfig):
             leaf = matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
-            leaf = dataclasses.replace(leaf, wide=_stored_wide(kinds[i][0]))
-            matrices.append(leaf)
+            # Stored long side last (``wide``), an MLP's two matrices share a stack: one program
+            # (on TPU, a fifth less kernel code). Only for an exchange, which transposes a tall
+            # matrix a chunk at a time: whole leaves (gathered, or a one-device loop's chunks)
+            # stay as laid out, their transposes alive together (BENCHMARKS.md, "Means tried").
+            matrices.append(dataclasses.replace(leaf, wide=kinds[i][0] == EXCHANGE))
             continue
         local = any(specs[i])   # split by the user: updated where it lies
         axis = None if local else adamw_shard_axis(shape, n, threshold)
@@ -321,26 +307,23 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
 def _muon_transport(leaf: MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]],
                     where: str) -> tuple[tuple[str, Route | None], Spec]:
     """How a Muon leaf travels, and the layout the engine will read it in."""
-    owners = {name for name, _ in axes}
-    foreign = [a for entry in spec for a in entry if a not in owners]
+    names = tuple(name for name, _ in axes)
+    foreign = [a for entry in spec for a in entry if a not in names]
     if foreign:
         raise ValueError(
             f"{where}: parameter {leaf.path!r} is split over mesh axis {foreign[0]!r}, which "
-            f"is not an owner axis (axis_name={tuple(owners)}); Muon needs whole matrices: "
+            f"is not an owner axis (axis_name={names}); Muon needs whole matrices: "
             f"add {foreign[0]!r} to axis_name, or do not split Muon params over it.")
     try:
         return classify(leaf, leaf.view_spec(spec, dict(axes)), axes), spec
     except NotImplementedError as e:
         used = tuple(dict.fromkeys(a for entry in spec for a in entry))
-        names = tuple(name for name, _ in axes)
         hint = ""
         if used and len(used) < len(names):
             keep = used[0] if len(used) == 1 else used
             hint = (f" It is split over {keep!r} only: built with axis_name={keep!r} instead of "
-                    f"{names!r}, its blocks would stay where they lie (each device "
-                    "updating its own).")
-        warn(f"{where}: parameter {leaf.path!r} is laid out as {spec}, and {e}; it "
-             "is gathered whole on every device before the update (more traffic). "
-             "Split either its layer (or expert, or block) axes over all of "
-             f"axis_name, or its matrix axes within blocks.{hint}")
+                    f"{names!r}, its blocks would stay put (each device updating its own).")
+        warn(f"{where}: parameter {leaf.path!r} is laid out as {spec}, and {e}; it is gathered "
+             "whole on every device before the update (more traffic). Split its layer (or expert, "
+             f"or block) axes over all of axis_name, or its matrix axes within blocks.{hint}")
         return (GATHER, None), ((),) * len(spec)

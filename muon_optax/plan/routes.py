@@ -1,8 +1,7 @@
-"""A Muon leaf's *transport*, from its layout over the owner axes (moved by
-``step/transport.py``): ``"gather"``, whole on every device (replicated params, ZeRO-2);
-``"exchange"``, its matrix axes split (FSDP, tensor parallel, both): every holder sends the
-owner an equal piece; ``"local"``, its batch (layer) axes split over all owner axes: nothing
-moves."""
+"""A Muon leaf's *transport* (``step/transport.py``), from its layout over the owner axes:
+``"gather"``, whole on every device (replicated params, ZeRO-2); ``"exchange"``, its matrix
+axes split (FSDP, tensor parallel, both): every holder sends the owner an equal piece;
+``"local"``, its batch (layer) axes split over all owner axes: nothing moves."""
 
 from __future__ import annotations
 
@@ -19,10 +18,9 @@ GATHER, EXCHANGE, LOCAL = "gather", "exchange", "local"
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """How an ``"exchange"`` leaf's matrix axes are split over the owner axes:
-    ``grid[i]`` blocks along matrix axis ``i`` (leaf order), each held by ``replicas``
-    devices. Device ``s`` (linear index over the owner axes) holds block ``block_of[s]``
-    and sends the owner its sub-piece ``replica_of[s]``, ``piece`` elements."""
+    """How an ``"exchange"`` leaf's matrix axes split over the owner axes: ``grid[i]`` blocks
+    along matrix axis ``i`` (leaf order), each on ``replicas`` devices. Device ``s`` (linear index)
+    holds block ``block_of[s]`` and sends the owner its sub-piece ``replica_of[s]`` (``piece``)."""
 
     mshape: tuple[int, ...]
     grid: tuple[int, ...]
@@ -51,11 +49,7 @@ class Route:
 
 def device_coords(d: int, axes: Sequence[tuple[str, int]]) -> dict[str, int]:
     """Mesh coordinates of owner-axes linear index ``d`` (first axis major)."""
-    coords = {}
-    for name, size in reversed(axes):
-        coords[name] = d % size
-        d //= size
-    return coords
+    return dict(zip(dict(axes), map(int, np.unravel_index(d, [size for _, size in axes]))))
 
 
 def _linear(coords: dict[str, int], names: Sequence[str], sizes: dict[str, int]) -> int:
@@ -67,9 +61,8 @@ def _linear(coords: dict[str, int], names: Sequence[str], sizes: dict[str, int])
 
 def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
              axes: Sequence[tuple[str, int]]) -> tuple[str, Route | None]:
-    """The transport of a Muon leaf laid out as ``spec`` (mesh axes per leaf axis), and its
-    route. Raises ``NotImplementedError`` for a layout it cannot move (the engine then
-    gathers the leaf whole first)."""
+    """The transport and route of a Muon leaf laid out as ``spec``. Raises
+    ``NotImplementedError`` for a layout it cannot move (the engine then gathers it whole)."""
     sizes = dict(axes)
     n = math.prod(sizes.values())
     matrix_axes = leaf.matrix_axes
@@ -95,8 +88,7 @@ def classify(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
 
 def local_holders(leaf: MatrixLeaf, spec: tuple[tuple[str, ...], ...],
                   axes: Sequence[tuple[str, int]]) -> np.ndarray:
-    """For a ``"local"`` leaf: the device holding each matrix (row-major over the batch
-    axes)."""
+    """For a ``"local"`` leaf: the device holding each matrix (row-major over batch axes)."""
     sizes = dict(axes)
     holder = np.zeros([leaf.shape[i] for i in leaf.batch_axes], np.int64)
     for d in range(math.prod(sizes.values())):

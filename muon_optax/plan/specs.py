@@ -10,32 +10,29 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from muon_optax.params.labels import path_str
+from muon_optax.params.variables import unbox, unboxed_structure
+
 Spec = tuple[tuple[str, ...], ...]
 """A leaf's layout: for each of its axes, the mesh axes it is split over (major first)."""
 
 
-def owner_axes(axis_name: Any) -> tuple[str, ...] | None:
-    """``axis_name`` as a tuple of mesh axis names (None stays None)."""
-    if axis_name is None:
-        return None
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if not names or not all(isinstance(a, str) for a in names) or len(set(names)) < len(names):
-        raise TypeError(f"axis_name must be a mesh axis name or a tuple of distinct names, "
-                        f"got {axis_name!r}.")
-    return names
-
-
-def check_owner_args(axis_name: Any, mesh: Any, where: str) -> None:
-    """``axis_name`` and ``mesh`` as a constructor takes them, or a clear error."""
-    axes = owner_axes(axis_name)
+def owner_axes(axis_name: Any, mesh: Any, where: str) -> tuple[str, ...] | None:
+    """``axis_name`` as a tuple of mesh axis names (None stays None), checked with ``mesh``
+    as a constructor takes them, or a clear error."""
+    axes = None
+    if axis_name is not None:
+        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) < len(axes):
+            raise TypeError(f"axis_name must be a mesh axis name or a tuple of distinct names, "
+                            f"got {axis_name!r}.")
     if mesh is None:
-        return
+        return axes
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
             f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}. Under "
-            f"optax.inject_hyperparams pass static_args=(\"axis_name\", \"mesh\"): a Mesh is "
-            f"callable (a context decorator) and inject_hyperparams takes every callable "
-            f"for a schedule.")
+            "optax.inject_hyperparams pass static_args=(\"axis_name\", \"mesh\"): a Mesh is "
+            "callable (a context decorator): inject_hyperparams takes it for a schedule.")
     names = tuple(mesh.shape)
     if axes is None:
         raise ValueError(f"{where}: mesh= needs axis_name= naming the mesh axes that own the "
@@ -44,6 +41,7 @@ def check_owner_args(axis_name: Any, mesh: Any, where: str) -> None:
     if missing:
         raise ValueError(f"{where}: mesh= has axes {names}, not {missing[0]!r} "
                          f"(axis_name={axis_name!r}).")
+    return axes
 
 
 # Splitting a minor axis makes XLA transpose the gradient, the parameter and both moments
@@ -57,15 +55,14 @@ def adamw_shard_axis(shape: tuple[int, ...], num_devices: int, threshold: int) -
     everywhere) under ``threshold`` elements or empty."""
     if math.prod(shape) < threshold or not math.prod(shape):
         return None
-    padding = [-(-n // num_devices) * num_devices - n for n in shape]
+    padding = [-n % num_devices for n in shape]
     if padding[0] <= LEADING_AXIS_MAX_PADDING * shape[0]:
         return 0
     return min(range(len(shape)), key=lambda a: (padding[a] * math.prod(shape) // shape[a], a))
 
 
 def padded_shape(shape: tuple[int, ...], axis: int | None, num_devices: int) -> tuple[int, ...]:
-    return tuple(-(-n // num_devices) * num_devices if a == axis else n
-                 for a, n in enumerate(shape))
+    return tuple(n + -n % num_devices if a == axis else n for a, n in enumerate(shape))
 
 
 def split_spec(axis: int | None, axes: tuple[str, ...] | None) -> P:
@@ -83,8 +80,7 @@ def to_partition_spec(spec: Spec) -> P:
 def normalize_spec(spec: Any, ndim: int, path: str) -> Spec:
     """``PartitionSpec`` (or ``NamedSharding``) -> one tuple of mesh axes per leaf axis."""
     spec = getattr(spec, "spec", spec)
-    if spec is None:
-        spec = P()
+    spec = P() if spec is None else spec
     if not isinstance(spec, P):
         raise TypeError(f"parameter {path!r}: param_specs must hold PartitionSpecs or "
                         f"NamedShardings, got {spec!r}.")
@@ -93,6 +89,22 @@ def normalize_spec(spec: Any, ndim: int, path: str) -> Spec:
                          f"names {len(spec)}.")
     return tuple(() if e is None or e is P.UNCONSTRAINED else (e,) if isinstance(e, str)
                  else tuple(e) for e in list(spec) + [None] * (ndim - len(spec)))
+
+
+def given_specs(param_specs: Any, params: Any, where: str) -> list[Spec]:
+    """Each leaf's layout from ``param_specs``: one ``PartitionSpec`` (or ``NamedSharding``)
+    for all, a tree of them like the params (``nnx.Variable`` boxes accepted), or a callable
+    params -> either."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    tree = param_specs(params) if callable(param_specs) else param_specs
+    try:
+        given = ([tree] * len(flat) if isinstance(tree, (P, jax.sharding.NamedSharding))
+                 else unboxed_structure(params).flatten_up_to(unbox(tree)))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: param_specs must have the params' structure with a "
+                         "PartitionSpec at every leaf (or be a callable params -> such a "
+                         "tree).") from e
+    return [normalize_spec(s, len(x.shape), path_str(p)) for (p, x), s in zip(flat, given)]
 
 
 def typed_spec(x: Any, path: str) -> Spec | None:
@@ -122,9 +134,8 @@ def placement_spec(x: Any, path: str) -> Spec | None:
 def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding.Mesh,
                  known: Sequence[Spec] | None, where: str) -> list[Spec]:
     """Each leaf's layout over ``mesh`` without ``param_specs``: as the leaf shows it, else
-    ``known`` (recorded in the state by an eager ``init``). A traced leaf on Auto axes
-    shows none; taken as replicated it would be gathered whole every step, so where the
-    layout was never seen this raises instead."""
+    ``known`` (recorded in the state by an eager ``init``). A traced leaf on Auto axes shows
+    none: taken as replicated it would be gathered whole every step, so this raises."""
     specs = [placement_spec(x, p) for x, p in zip(leaves, paths)]
     if all(s is not None for s in specs):
         return specs
@@ -137,11 +148,10 @@ def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding
     path = paths[specs.index(None)]
     raise ValueError(
         f"{where}: parameter {path!r} is traced (jax.jit) on a mesh whose axes {auto} are "
-        "AxisType.Auto, so its layout is not in its type and the optimizer cannot tell how "
-        "it is split. Pass param_specs= (a tree of PartitionSpecs like the params, such as "
-        "nnx.get_partition_spec(state), or P() if all are replicated), or call tx.init "
-        "eagerly on the placed params first (as nnx.Optimizer does) so that its state records "
-        "their layout, or build the mesh with AxisType.Explicit axes.")
+        "AxisType.Auto: its layout is not in its type; the optimizer cannot tell how it is split. "
+        "Pass param_specs= (PartitionSpecs like the params, e.g. nnx.get_partition_spec(state), "
+        "or P() if all are replicated), or call tx.init eagerly on the placed params first (as "
+        "nnx.Optimizer does) so its state records their layout, or use AxisType.Explicit axes.")
 
 
 def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int],

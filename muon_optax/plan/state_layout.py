@@ -1,7 +1,6 @@
-"""The layout a state was made for, kept in its treedef (free at run time: ``jax.jit``
-compares treedefs when it traces). Params laid out another way (another split or device
-count) may give Muon buffers of the same shapes whose rows belong to other matrices, with
-no shape error: ``update`` refuses a state made for another layout."""
+"""The layout a state was made for, kept in its treedef (free: ``jax.jit`` compares treedefs
+when it traces). Params split otherwise, or on another device count, may give Muon buffers of
+the same shapes whose rows belong to other matrices: ``update`` refuses such a state."""
 
 from __future__ import annotations
 
@@ -16,11 +15,10 @@ import jax
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """What a state's Muon buffers mean: the device count and a digest of every state
-    channel (which matrix sits at each offset of each device's share, how stored).
-    ``transports`` only describes: the same owners serve replicated and FSDP-split params.
-    ``specs``: the params' layouts an eager ``init`` saw, for ``update`` where a traced
-    param's type does not show them."""
+    """What a state's Muon buffers mean: the device count and a digest of every state channel
+    (which matrix sits at each offset of each device's share, how stored). ``transports`` only
+    describes (the same owners serve replicated and FSDP-split params); ``specs``: the layouts
+    an eager ``init`` saw, for an ``update`` whose traced params' types do not show them."""
 
     devices: int
     digest: str
@@ -55,8 +53,7 @@ def layout_error(name: str, got: Any, want: StateLayout) -> ValueError:
     """The error of a state made for another layout (``got``: its layout, or None)."""
     made = got.describe() if isinstance(got, StateLayout) else "an unknown layout"
     return ValueError(
-        f"{name}: the state was made for another layout of these params (made for "
-        f"{made}; these params need {want.describe()}): its Muon buffers' rows belong to "
-        "other matrices here. Move it with muon_optax.export_state (with the params as "
-        "laid out when the state was made) and muon_optax.import_state (with the params "
-        "as they are now), or call tx.init on these params.")
+        f"{name}: the state was made for another layout of these params (made for {made}; "
+        f"these params need {want.describe()}): its Muon buffers' rows belong to other matrices "
+        "here. Move it with muon_optax.export_state (with the params as laid out when it was "
+        "made) and muon_optax.import_state (with them as they are now), or call tx.init on them.")

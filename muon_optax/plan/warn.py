@@ -30,10 +30,9 @@ def warn_if_split(leaves: list[Any], paths: list[str], name: str) -> None:
         if len(sharding.device_set) > 1 and not sharding.is_fully_replicated:
             axes = tuple(getattr(getattr(sharding, "mesh", None), "axis_names", ())) or ("data",)
             axis = axes[0] if len(axes) == 1 else axes
-            warn(f"{name}: parameter {path!r} is split over {len(sharding.device_set)} "
-                 f"devices ({sharding}), but this transformation was built without mesh=, "
-                 "so it runs as on one device and XLA moves its data as it sees fit (an "
-                 "FSDP d256 GPT on 8 devices: 55x the collective bytes). Build it with "
-                 f"axis_name={axis!r}, mesh=<the params' mesh> to update each Muon matrix "
-                 "on one owner device.")
+            warn(f"{name}: parameter {path!r} is split over {len(sharding.device_set)} devices "
+                 f"({sharding}), but this transformation was built without mesh=, so it runs "
+                 "as on one device and XLA moves its data as it sees fit (an FSDP d256 GPT on "
+                 f"8 devices: 55x the collective bytes). Build it with axis_name={axis!r}, "
+                 "mesh=<the params' mesh> to update each Muon matrix on one owner device.")
             return

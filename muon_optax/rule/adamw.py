@@ -29,11 +29,6 @@ def update_in_param_dtype(p32: jax.Array, update32: jax.Array, dtype) -> jax.Arr
     return jnp.where(p_new32 == p32, 0.0, p_new32 - p32).astype(dtype)
 
 
-def adamw_hparams(cfg: AdamWConfig, count: jax.Array) -> dict[str, jax.Array]:
-    """The group's hyperparameters at step ``count`` (before it is incremented)."""
-    return cfg.at(count)
-
-
 def adamw_leaf_update(g: jax.Array, p: jax.Array | None, m: jax.Array, v: jax.Array,
                       t: jax.Array, hp: dict[str, jax.Array], *, cfg: AdamWConfig | None = None
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -21,9 +21,8 @@ POLAR_EXPRESS_COEFFS: Coeffs = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 
-# Keller Jordan's quintic Newton-Schulz triple (modded-nanogpt), repeated every step: the
-# steepest slope at zero that keeps the singular values near one (in about [0.7, 1.2]).
-# optax.contrib.muon's default ("standard").
+# Keller Jordan's quintic Newton-Schulz triple (modded-nanogpt; optax.contrib.muon's "standard"),
+# repeated: the steepest slope at zero that keeps the singular values near one (about [0.7, 1.2]).
 QUINTIC_COEFFS: Coeffs = ((3.4445, -4.7750, 2.0315),)
 
 # Dion's five-step table (Ahn et al., arXiv:2504.05295), optax.contrib.muon's "dion".
@@ -36,18 +35,22 @@ DION_COEFFS: Coeffs = (
 )
 
 # muon_optax.muon's presets (see ns_coefficients)
-NS_COEFF_PRESETS: dict[str, Coeffs] = {"polar_express": POLAR_EXPRESS_COEFFS,
-                                       "quintic": QUINTIC_COEFFS}
+NS_COEFF_PRESETS = {"polar_express": POLAR_EXPRESS_COEFFS, "quintic": QUINTIC_COEFFS}
+
+
+def did_you_mean(word: object, choices: Any) -> str:
+    """`` (did you mean 'x'?)``, ``x`` the nearest of ``choices`` to a misspelt ``word``, or ""."""
+    close = difflib.get_close_matches(str(word), choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
     """``ns_steps`` as a static int in 1..5: it sets the program's length. A JAX array is
     refused even when concrete, as ``optax.inject_hyperparams`` makes one (traced)."""
     if isinstance(ns_steps, jax.Array):
-        raise TypeError(
-            f"{where}: ns_steps must be a Python int in 1..5, got a JAX array "
-            f"({ns_steps!r}); it is static (it sets the program's length). With "
-            "optax.inject_hyperparams pass static_args=(\"ns_steps\",).")
+        raise TypeError(f"{where}: ns_steps must be a Python int in 1..5, got a JAX array "
+                        f"({ns_steps!r}); it is static (it sets the program's length). With "
+                        "optax.inject_hyperparams pass static_args=(\"ns_steps\",).")
     try:
         if isinstance(ns_steps, (bool, np.bool_)):
             raise TypeError
@@ -56,9 +59,8 @@ def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
         raise TypeError(f"{where}: ns_steps must be a Python int in 1..5, "
                         f"got {ns_steps!r}.") from None
     if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
-        raise ValueError(
-            f"{where}: ns_steps={ns_steps} is outside 1..{len(POLAR_EXPRESS_COEFFS)}; Polar "
-            f"Express has coefficients for {len(POLAR_EXPRESS_COEFFS)} iterations.")
+        raise ValueError(f"{where}: ns_steps={ns_steps} is outside 1..5; Polar Express has "
+                         "coefficients for 5 iterations.")
     return ns_steps
 
 
@@ -67,11 +69,9 @@ def coefficient_rows(ns_coeffs: Any, where: str,
     """``(rows, is_table)`` of a preset name, a triple ``(a, b, c)`` or an ``(n, 3)`` table."""
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in presets:
-            close = difflib.get_close_matches(ns_coeffs, presets, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"{where}: unknown ns_coeffs preset {ns_coeffs!r}{hint}; presets "
-                             f"are {', '.join(map(repr, presets))}, or pass a triple "
-                             "(a, b, c) or an (n, 3) table of them.")
+            raise ValueError(f"{where}: unknown ns_coeffs preset {ns_coeffs!r}"
+                             f"{did_you_mean(ns_coeffs, presets)}; presets are "
+                             f"{', '.join(map(repr, presets))}, or a triple or an (n, 3) table.")
         rows = presets[ns_coeffs]
         return rows, len(rows) > 1
     try:
@@ -89,8 +89,7 @@ def coefficient_rows(ns_coeffs: Any, where: str,
 
 
 def ns_coefficients(ns_coeffs: Any, ns_steps: object, where: str = "muon") -> Coeffs:
-    """The ``(a, b, c)`` of each of the ``ns_steps`` iterations: a triple (or one-row
-    preset) repeated, or a table's first ``ns_steps`` rows."""
+    """Each iteration's ``(a, b, c)``: a triple (or one-row preset) repeated, or a table's rows."""
     if isinstance(ns_coeffs, str) and ns_coeffs == "polar_express":
         return POLAR_EXPRESS_COEFFS[:check_ns_steps(ns_steps, where)]
     rows, is_table = coefficient_rows(ns_coeffs, where)

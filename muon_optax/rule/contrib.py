@@ -53,8 +53,8 @@ class ContribConfig:
         # preconditioning: contrib_muon checks it against its own list (torch_muon's default)
         return cls(*scalars, ns_coefficients(coeffs, len(coeffs), where), preconditioning,
                    hparams.static_float(eps, "eps", where), **flags,
-                   compute_dtype=hparams.check_compute_dtype(compute_dtype, where),
-                   mu_dtype=hparams.check_mu_dtype(mu_dtype, where),
+                   compute_dtype=hparams.check_dtype(compute_dtype, "compute_dtype", where),
+                   mu_dtype=hparams.check_dtype(mu_dtype, "mu_dtype", where),
                    consistent_rms=None if consistent_rms is None
                    else hparams.static_float(consistent_rms, "consistent_rms", where))
 
@@ -62,11 +62,9 @@ class ContribConfig:
     leaf_scaled = property(lambda self: self.adaptive)  # the engine sums <U, O> per leaf
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
-        """The hyperparameters at step ``count`` (steps taken before this one)."""
         return {k: hparams.value_at(getattr(self, k), count) for k in self._VALUES}
 
     def static_key(self) -> tuple:
-        """What must agree for two matrices to share one batched program."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self)
                      if f.name not in self._VALUES) + (self.complement(),)
 
@@ -108,8 +106,7 @@ class ContribConfig:
 
     def leaf_update(self, o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array,
                     *, rows: int, cols: int) -> jax.Array:
-        """``P_new - P = -lr s O - lr wd P`` (``s``: :meth:`lr_scale`; the decay at the
-        unscaled ``lr``), in the parameter's dtype."""
+        """``P_new - P = -lr s O - lr wd P`` in the parameter's dtype (``s``: :meth:`lr_scale`)."""
         o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
         lr_o = lr * self.lr_scale(rows, cols)
         return update_in_param_dtype(p32, -lr_o * o32 - (lr * weight_decay) * p32, p.dtype)

@@ -8,7 +8,6 @@ on the traced step count (never recompiling); ``ns_steps`` and the Muon options 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.rule import muon
-from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, Coeffs, ns_coefficients
+from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, Coeffs, did_you_mean, ns_coefficients
 from muon_optax.rule.polar import check_preconditioning
 
 Scalar = float | Callable[[jax.Array], Any]  # a number, or an optax schedule count -> number
@@ -50,8 +49,7 @@ def check_scalar(value: Any, name: str, where: str) -> Scalar:
         return value
     real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if real or (isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
-                and (jnp.issubdtype(value.dtype, jnp.floating)
-                     or jnp.issubdtype(value.dtype, jnp.integer))):
+                and any(jnp.issubdtype(value.dtype, t) for t in (jnp.floating, jnp.integer))):
         check_finite(value, name, where)
         return float(value) if real else value
     raise TypeError(f"{where}: {name} must be a float or an optax schedule "
@@ -76,41 +74,32 @@ def check_finite(value: Any, name: str, where: str) -> None:
                          f"hyperparameter makes every update NaN.")
 
 
-def check_compute_dtype(compute_dtype: Any, where: str) -> Any:
-    if isinstance(compute_dtype, (jax.Array, np.ndarray)):
-        # optax.inject_hyperparams calls jnp.float32 as a schedule: an array comes back.
-        raise TypeError(
-            f"{where}: compute_dtype must be a dtype, got an array ({compute_dtype!r}). "
-            "With optax.inject_hyperparams, a dtype such as jnp.bfloat16 is callable and "
-            "taken for a schedule: pass static_args=(\"ns_steps\", \"compute_dtype\") "
-            "or the dtype's name (\"bfloat16\").")
-    return _check_dtype(compute_dtype, "compute_dtype", where, "the backend's default")
-
-
 def check_flag(flag: Any, name: str, where: str) -> bool:
     if not isinstance(flag, bool):
         raise TypeError(f"{where}: {name} must be True or False, got {flag!r}.")
     return flag
 
 
-def _check_dtype(dtype: Any, name: str, where: str, default: str) -> Any:
-    """A float dtype, or None (``default`` says what None means)."""
+def check_dtype(dtype: Any, name: str, where: str) -> Any:
+    """``compute_dtype`` (None: the backend's default) or ``mu_dtype`` (None: the parameter
+    dtype; else as JAX stores it, float64 being float32 without x64): a float dtype or None."""
+    compute = name == "compute_dtype"
+    if compute and isinstance(dtype, (jax.Array, np.ndarray)):
+        raise TypeError(f"{where}: compute_dtype must be a dtype, got an array ({dtype!r}). "
+                        "With optax.inject_hyperparams, a dtype such as jnp.bfloat16 is callable "
+                        "and taken for a schedule: pass static_args=(\"ns_steps\", "
+                        "\"compute_dtype\") or the dtype's name (\"bfloat16\").")
     if dtype is None:
         return None
     try:
         dtype = jnp.dtype(dtype)
     except TypeError as e:
+        default = "the backend's default" if compute else "the parameter dtype"
         raise TypeError(f"{where}: {name} {dtype!r} is not a dtype; use jnp.float32 or "
                         f"jnp.bfloat16 (or None for {default}).") from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{where}: {name} must be a float dtype, got {dtype}.")
-    return dtype
-
-
-def check_mu_dtype(dtype: Any, where: str) -> Any:
-    """A momentum dtype as JAX stores it (float64 is float32 without x64), or None."""
-    dtype = _check_dtype(dtype, "mu_dtype", where, "the parameter dtype")
-    return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+    return dtype if compute else jax.dtypes.canonicalize_dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +126,7 @@ class AdamWConfig:
             (lr, "lr"), (betas[0], "betas[0]"), (betas[1], "betas[1]"), (eps, "eps"),
             (weight_decay, "weight_decay"), (eps_root, "eps_root")))
         return cls(*scalars, nesterov=check_flag(nesterov, "nesterov", where),
-                   mu_dtype=check_mu_dtype(mu_dtype, where),
+                   mu_dtype=check_dtype(mu_dtype, "mu_dtype", where),
                    optax_ema=check_flag(optax_ema, "optax_ema", where))
 
     def needs_params(self) -> bool:
@@ -145,8 +134,7 @@ class AdamWConfig:
         return not isinstance(self.weight_decay, float) or self.weight_decay != 0.0
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
-        """The hyperparameters at step ``count`` (steps taken before this one);
-        ``eps_root`` only when it is not the constant 0."""
+        """The hyperparameters at step ``count``; ``eps_root`` only when not the constant 0."""
         keys = ("lr", "b1", "b2", "eps", "weight_decay")
         keys += () if isinstance(self.eps_root, float) and self.eps_root == 0.0 else ("eps_root",)
         return {k: value_at(getattr(self, k), count) for k in keys}
@@ -190,10 +178,10 @@ class MuonConfig:
         scalars = (check_scalar(v, n, where) for v, n in (
             (lr, "lr"), (momentum, "momentum"), (beta2, "beta2"), (weight_decay, "weight_decay")))
         return cls(*scalars, ns_steps=len(coeffs), polar_method=polar_method,
-                   compute_dtype=check_compute_dtype(compute_dtype, where),
+                   compute_dtype=check_dtype(compute_dtype, "compute_dtype", where),
                    ns_coeffs=None if coeffs == POLAR_EXPRESS_COEFFS[:len(coeffs)] else coeffs,
                    preconditioning=check_preconditioning(preconditioning, where),
-                   mu_dtype=check_mu_dtype(mu_dtype, where), **flags)
+                   mu_dtype=check_dtype(mu_dtype, "mu_dtype", where), **flags)
 
     @property
     def coeffs(self) -> Coeffs:
@@ -239,12 +227,9 @@ def parse_group(name: str, group: Mapping[str, Any]) -> AdamWConfig | MuonConfig
     defaults, config = ((ADAMW_DEFAULTS, AdamWConfig) if kind == "adamw"
                         else (MUON_DEFAULTS, MuonConfig))
     allowed = ("kind", "lr", *defaults) + (MUON_OPTIONS if kind == "muon" else ())
-    unknown = [(k, difflib.get_close_matches(str(k), allowed, n=1)) for k in group
-               if k not in allowed]
+    unknown = [f"{k!r}{did_you_mean(k, allowed)}" for k in group if k not in allowed]
     if unknown:
-        names = ", ".join(f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "")
-                          for k, c in unknown)
-        raise ValueError(f"{where}: unknown hyperparameter {names} for kind={kind!r}; "
+        raise ValueError(f"{where}: unknown hyperparameter {', '.join(unknown)} for kind={kind!r}; "
                          f"allowed keys are {', '.join(allowed)}.")
     if "lr" not in group:
         raise ValueError(f"{where}: missing hyperparameter lr for kind={kind!r}; "
@@ -261,8 +246,7 @@ def parse_groups(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, AdamWConf
 
 
 def current_hyperparams(groups_or_tx: Any, state: Any) -> dict[str, dict[str, jax.Array]]:
-    """Each group's hyperparameters for the next update, schedules evaluated: for logging.
-    Works eagerly and under jit.
+    """For logging: each group's hyperparameters for the next update, eagerly or under jit.
 
     Args:
       groups_or_tx: the transformation returned by :func:`muon_optax.muon_adamw` (or
@@ -270,10 +254,9 @@ def current_hyperparams(groups_or_tx: Any, state: Any) -> dict[str, dict[str, ja
       state: its state (its step count ``state.count``), or the count itself.
 
     Returns:
-      ``{group: {name: float32 scalar}}``, the values the next ``tx.update`` uses: ``lr,
-      b1, b2, eps, weight_decay`` for AdamW groups, ``lr, momentum, beta2, weight_decay``
-      for Muon groups (a matrix with more rows than columns steps with
-      ``lr * sqrt(rows / cols)``).
+      ``{group: {name: float32 scalar}}``, the values the next ``tx.update`` uses: ``lr, b1,
+      b2, eps, weight_decay`` for AdamW groups, ``lr, momentum, beta2, weight_decay`` for Muon
+      groups (a matrix with more rows than columns steps with ``lr * sqrt(rows / cols)``).
     """
     configs = getattr(getattr(groups_or_tx, "init", None), "configs", None)
     if configs is None and isinstance(groups_or_tx, Mapping) and groups_or_tx:
@@ -281,17 +264,14 @@ def current_hyperparams(groups_or_tx: Any, state: Any) -> dict[str, dict[str, ja
         if not all(isinstance(c, (AdamWConfig, MuonConfig)) for c in configs.values()):
             configs = parse_groups(configs)
     if configs is None:
-        raise TypeError(
-            "current_hyperparams: pass the transformation made by muon_adamw (or muon, adamw) "
-            "itself, not one wrapped by optax.chain or others, or the groups dict given to "
-            f"muon_adamw; got {type(groups_or_tx).__name__}.")
+        raise TypeError("current_hyperparams: pass the transformation made by muon_adamw (or "
+                        "muon, adamw) itself, not one wrapped by optax.chain or others, or the "
+                        f"groups dict given to muon_adamw; got {type(groups_or_tx).__name__}.")
     count = getattr(state, "count", state)
-    if not (isinstance(count, (int, np.integer)) and not isinstance(count, (bool, np.bool_))
-            or isinstance(count, (jax.Array, np.ndarray)) and count.ndim == 0
-            and jnp.issubdtype(count.dtype, jnp.integer)):
-        raise TypeError(
-            "current_hyperparams: state must be the muon_adamw state (a MuonAdamWState, "
-            "whose count is the number of steps taken) or that step count; from a chain's "
-            f"state pass its muon_adamw part, e.g. state[1]. Got {type(state).__name__}.")
+    if not (isinstance(count, (int, np.integer, jax.Array, np.ndarray)) and jnp.ndim(count) == 0
+            and jnp.issubdtype(getattr(count, "dtype", type(count)), jnp.integer)):
+        raise TypeError("current_hyperparams: state must be the muon_adamw state (a "
+                        "MuonAdamWState) or its step count; from a chain's state pass its "
+                        f"muon_adamw part, e.g. state[1]. Got {type(state).__name__}.")
     count = jnp.asarray(count)
     return {name: cfg.at(count) for name, cfg in configs.items()}

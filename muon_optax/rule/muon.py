@@ -9,9 +9,8 @@ stack ``(K, R, C)`` as stored (:mod:`muon_optax.params.layout`), every operation
     O   = O * rsqrt(s) * (||v||-preserving factor)
     P   = P - lr_eff O - lr_eff wd P [O P >= 0]                           cautious decay
 
-``rows`` and ``red`` are the matrix's own (PyTorch ``(out, in)``); ``lr_eff`` is
-``lr * sqrt(max(1, R / C))``. References: Keller Jordan's Muon (2024); Polar Express,
-arXiv:2505.16932; NorMuon, arXiv:2510.05491; nanochat's ``optim.py``."""
+``rows``, ``red``: the matrix's own (PyTorch ``(out, in)``); ``lr_eff = lr * sqrt(max(1, R / C))``.
+References: Keller Jordan's Muon (2024); NorMuon, arXiv:2510.05491; nanochat's ``optim.py``."""
 
 from __future__ import annotations
 
@@ -65,14 +64,12 @@ def _input_scale(x: jax.Array, transposed: bool | jax.Array,
         return factor(-1)
     if transposed is True:
         return factor(-2)
-    # a stack mixing both orientations: pick per matrix
-    return jnp.where(transposed[:, None, None], factor(-2), factor(-1))
+    return jnp.where(transposed[:, None, None], factor(-2), factor(-1))  # mixed orientations
 
 
 def in_layout(x: jax.Array, shape: tuple, layout: tuple) -> jax.Array:
     """``x`` (of ``shape``, or a factor broadcast to it) in the momentum buffer's ``layout``."""
-    return x if jnp.ndim(x) == 0 or layout == shape else (
-        jnp.broadcast_to(x, shape).reshape(layout))
+    return x if jnp.ndim(x) == 0 or layout == shape else jnp.broadcast_to(x, shape).reshape(layout)
 
 
 def momentum(g32: jax.Array, buf: jax.Array, mu: jax.Array, *,
@@ -110,8 +107,7 @@ def _orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
 
 def orthogonalized(u: jax.Array, transposed: bool | jax.Array, cfg: MuonConfig,
                    dtype: Any) -> jax.Array:
-    """:func:`_orthogonalized` rounded to ``dtype``, the parameter's. Without
-    ``cfg.compute_dtype``: float32 on CPU, bfloat16 on accelerators (:func:`per_platform`)."""
+    """:func:`_orthogonalized` in ``cfg.compute_dtype`` (None: per platform), in ``dtype``."""
     if cfg.compute_dtype is not None:
         return _orthogonalized(u, transposed, cfg, cfg.compute_dtype).astype(dtype)
     return per_platform(
@@ -161,9 +157,8 @@ def matrix_lr_scale(rows: int, cols: int) -> float:
 
 def cautious_update(o: jax.Array, p: jax.Array, lr: jax.Array, weight_decay: jax.Array,
                     cautious: bool = True) -> jax.Array:
-    """``P_new - P = -lr O - lr wd P [O P >= 0]`` in the parameter's dtype: weight decay
-    only where update and weight agree in sign (``cautious=False``: everywhere). Elementwise:
-    each leaf in its layout."""
+    """``P_new - P = -lr O - lr wd P [O P >= 0]`` in the parameter's dtype, elementwise (any
+    layout): decay only where update and weight agree in sign (``cautious=False``: everywhere)."""
     o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
     update = -lr * o32 - (lr * weight_decay) * (
         jnp.where(o32 * p32 >= 0, p32, 0.0) if cautious else p32)

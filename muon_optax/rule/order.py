@@ -27,19 +27,17 @@ def after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
 
 
 def wait_for(xs, *prevs):
-    """``xs`` (a pytree: the inputs of the computation to hold back) unchanged, but
-    readable only once all ``prevs`` (None: none) are: on TPU by an
-    ``optimization_barrier`` (no pass over ``xs``), elsewhere by :func:`after`."""
+    """``xs`` (a pytree) unchanged, but readable only once all ``prevs`` (None: none) are: on
+    TPU by an ``optimization_barrier`` (no pass over ``xs``), elsewhere by :func:`after`."""
     prevs = tuple(p for p in prevs if p is not None)
     if not prevs:
         return xs
-    def barrier(xs, *prevs):
-        return jax.lax.optimization_barrier((xs, prevs))[0]
     def arithmetic(xs, *prevs):
         for prev in prevs:
             xs = jax.tree.map(lambda x, prev=prev: after(x, prev), xs)
         return xs
-    return per_platform("order", xs, *prevs, tpu=barrier, default=arithmetic)
+    return per_platform("order", xs, *prevs, default=arithmetic,
+                        tpu=lambda xs, *prevs: jax.lax.optimization_barrier((xs, prevs))[0])
 
 
 def first_elements(xs: list[jax.Array]) -> jax.Array:

@@ -17,7 +17,6 @@ FORCED: dict[str, str] = {}
 def per_platform(site: str, *args: Any, default: Any, **forms: Any) -> Any:
     """``forms[platform](*args)`` for the platform lowered for (``cpu``, ``tpu``, ``cuda``,
     ``rocm``), else ``default(*args)``, unless ``FORCED[site]`` is set."""
-    forced = FORCED.get(site)
-    if forced is not None:
-        return forms.get(forced, default)(*args)
+    if site in FORCED:
+        return forms.get(FORCED[site], default)(*args)
     return jax.lax.platform_dependent(*args, default=default, **forms)

@@ -1,30 +1,31 @@
-"""Polar Express: the batched orthogonalization at the heart of Muon, which replaces a
-momentum matrix ``G = U S V^T`` by (about) its polar factor ``U V^T``. Polar Express
-(Amsel, Persson, Musco, Gower, arXiv:2505.16932) takes a few odd-polynomial iterations,
-the Gram matrix on the short side, batched over leading axes (a stack is one program):
+"""Polar Express (Amsel, Persson, Musco, Gower, arXiv:2505.16932), Muon's orthogonalization:
+a momentum ``G = U S V^T`` to (about) ``U V^T`` by a few odd-polynomial iterations, the Gram
+matrix on the short side, batched over leading axes (a stack is one program):
 
     X_{k+1} = a_k X_k + b_k (X_k X_k^T) X_k + c_k (X_k X_k^T)^2 X_k"""
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.rule.coefficients import (
-    POLAR_EXPRESS_COEFFS,
-    Coeffs,
-    check_ns_steps,
-    ns_coefficients,
-)
+from muon_optax.rule.coefficients import Coeffs, did_you_mean, ns_coefficients
 from muon_optax.rule.platform import per_platform
 
 # How a matrix is brought into the iteration's basin (spectral norm <= 1): see precondition.
 PRECONDITIONINGS = ("basin", "frobenius", "spectral", "aol", "schatten")
+
+# The Gram-space form first runs this many steps directly: they lift the small singular
+# values so that the Gram matrix formed afterwards still resolves them.
+GRAM_DIRECT_STEPS = 2
+
+# Write the loops out (read at trace time, see written_out): for GPUs, which pay a host round
+# trip per while-loop iteration, and for XLA's cost analysis, which counts a loop body once.
+UNROLL_STEPS = False
 
 
 def default_compute_dtype() -> jnp.dtype:
@@ -36,10 +37,8 @@ def check_preconditioning(kind: object, where: str,
                           allowed: tuple[str, ...] = PRECONDITIONINGS) -> str:
     """``kind`` if it is one of ``allowed``, else a ``ValueError``."""
     if not isinstance(kind, str) or kind not in allowed:
-        close = difflib.get_close_matches(str(kind), allowed, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{where}: unknown preconditioning {kind!r}{hint}; use one of "
-                         f"{', '.join(map(repr, allowed))}.")
+        raise ValueError(f"{where}: unknown preconditioning {kind!r}{did_you_mean(kind, allowed)}"
+                         f"; use one of {', '.join(map(repr, allowed))}.")
     return kind
 
 
@@ -66,11 +65,6 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a, b, precision=precision)
 
 
-# The Gram-space form first runs this many steps directly: they lift the small singular
-# values so that the Gram matrix formed afterwards still resolves them.
-GRAM_DIRECT_STEPS = 2
-
-
 def polar_flops(rows: int, cols: int, ns_steps: int, method: str) -> int:
     """Matmul FLOPs of :func:`polar_express` on one ``rows x cols`` matrix."""
     r, c = min(rows, cols), max(rows, cols)
@@ -78,8 +72,7 @@ def polar_flops(rows: int, cols: int, ns_steps: int, method: str) -> int:
     if method == "direct" or ns_steps <= GRAM_DIRECT_STEPS + 1:
         return ns_steps * direct_step
     k = ns_steps - GRAM_DIRECT_STEPS
-    # Gram space: A @ A each step, M @ Q but the first, M A M but the last; one Gram
-    # matrix and the final Q X on the long side.
+    # Gram space: the Gram matrix and final Q X (long side); A @ A, M @ Q but first, M A M but last
     return GRAM_DIRECT_STEPS * direct_step + 4 * r * r * c + (2 * k + 6 * (k - 1)) * r**3
 
 
@@ -103,11 +96,6 @@ def _polynomial(gram: jax.Array, a: float, b: float, c: float) -> jax.Array:
     return m.astype(gram.dtype)
 
 
-# Write the loops out (read at trace time): for GPUs, which pay a host round trip per
-# while-loop iteration, and for XLA's cost analysis, which counts a loop body once.
-UNROLL_STEPS = False
-
-
 @contextlib.contextmanager
 def written_out(on: bool = True):
     """Traces the polar loops written out (``on``) inside the block."""
@@ -127,15 +115,13 @@ def _direct_step(x: jax.Array, a, b, c) -> jax.Array:
 
 
 def _direct_steps(x: jax.Array, coeffs) -> jax.Array:
-    """The steps of ``coeffs`` as a loop: the TPU compiler's time and memory grow with
-    each step written out."""
+    """The steps as a loop: the TPU compiler's time and memory grow with each step written out."""
     if len(coeffs) == 1 or UNROLL_STEPS:
         for abc in coeffs:
             x = _direct_step(x, *abc)
         return x
-    def step(x, abc):
-        return _direct_step(x, abc[0], abc[1], abc[2]), None
-    return jax.lax.scan(step, x, jnp.asarray(np.asarray(coeffs, np.float32)))[0]
+    return jax.lax.scan(lambda x, abc: (_direct_step(x, abc[0], abc[1], abc[2]), None), x,
+                        jnp.asarray(np.asarray(coeffs, np.float32)))[0]
 
 
 def _gram_space_steps(x: jax.Array, coeffs) -> jax.Array:
@@ -158,8 +144,7 @@ def polar_express(x: jax.Array, ns_steps: int = 5, method: str = "direct") -> ja
     """The first ``ns_steps`` iterations on ``x`` (..., R, C) of spectral norm <= 1, matmuls in
     ``x.dtype``. ``method``: ``"direct"`` (as written), ``"gram"`` (two direct steps, then the
     short side's: fewer FLOPs for rectangular matrices) or ``"auto"`` (:func:`choose_method`)."""
-    check_ns_steps(ns_steps, "polar_express")
-    return polar_iteration(x, POLAR_EXPRESS_COEFFS[:ns_steps], method)
+    return polar_iteration(x, ns_coefficients("polar_express", ns_steps, "polar_express"), method)
 
 
 def precondition(x: jax.Array, kind: str, eps: float = 1e-8) -> jax.Array:
@@ -172,13 +157,11 @@ def precondition(x: jax.Array, kind: str, eps: float = 1e-8) -> jax.Array:
         return (x32 / (1.01 * fro_norm(x) + 1e-6)).astype(x.dtype)
     if kind == "frobenius":
         return (x32 / (fro_norm(x) + eps)).astype(x.dtype)
-    # spectral: every caller has checked kind (check_preconditioning)
-    sv = jnp.linalg.svd(x32, compute_uv=False)
+    sv = jnp.linalg.svd(x32, compute_uv=False)  # spectral: every caller has checked kind
     return (x32 / (jnp.max(sv, axis=-1)[..., None, None] + eps)).astype(x.dtype)
 
 
-def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
-                        kind: str) -> jax.Array:
+def preconditioned_step(x: jax.Array, abc: tuple[float, float, float], kind: str) -> jax.Array:
     """The first iteration with ``kind``'s scaling folded into its Gram matrix ``A = X X^T``:
     ``aol`` (Turbo-Muon, arXiv:2512.04632) ``D X``, ``D A D``, of spectral norm at most one
     (Gershgorin), often far below ``||X||_F``; ``schatten`` ``X / ||X||_S4``. Zero stays zero."""
@@ -198,8 +181,7 @@ def preconditioned_step(x: jax.Array, abc: tuple[float, float, float],
 
 def polar_iteration(x: jax.Array, coeffs: Coeffs, method: str = "direct", *,
                     preconditioning: str = "basin") -> jax.Array:
-    """One step per ``(a, b, c)`` row of ``coeffs`` on ``x`` scaled by
-    :func:`precondition`; ``method`` as in :func:`polar_express`."""
+    """A step per row of ``coeffs`` on a preconditioned ``x``; ``method``: :func:`polar_express`."""
     if preconditioning in ("aol", "schatten") and coeffs:
         x, coeffs = preconditioned_step(x, coeffs[0], preconditioning), coeffs[1:]
     if not coeffs:
@@ -212,13 +194,11 @@ def polar_iteration(x: jax.Array, coeffs: Coeffs, method: str = "direct", *,
 
 
 def polar_express_stack(x: jax.Array, ns_steps: int = 5, method: str = "direct", *,
-                        coeffs: Coeffs | None = None,
-                        preconditioning: str = "basin") -> jax.Array:
-    """:func:`polar_express` (given ``coeffs``, :func:`polar_iteration`) on a stack
-    ``(K, R, C)``: batched on accelerators, one matrix at a time on CPU (faster there,
-    and one matrix's temporaries alive instead of the stack's)."""
+                        coeffs: Coeffs | None = None, preconditioning: str = "basin") -> jax.Array:
+    """:func:`polar_express` (given ``coeffs``, :func:`polar_iteration`) on a stack ``(K, R, C)``:
+    batched on accelerators, on CPU one matrix at a time (faster; only its temporaries alive)."""
     if coeffs is None:
-        coeffs = POLAR_EXPRESS_COEFFS[:check_ns_steps(ns_steps, "polar_express")]
+        coeffs = ns_coefficients("polar_express", ns_steps, "polar_express")
     def batched(y):
         return polar_iteration(y, coeffs, method, preconditioning=preconditioning)
     if x.shape[0] <= 1:
@@ -230,10 +210,9 @@ def polar_express_stack(x: jax.Array, ns_steps: int = 5, method: str = "direct",
     return per_platform("polar", x, cpu=one_by_one, default=batched)
 
 
-def orthogonalize(x: jax.Array, ns_steps: int = 5, *,
-                  compute_dtype: jnp.dtype | str | None = None, method: str = "direct",
-                  ns_coeffs: Any = "polar_express", preconditioning: str = "basin",
-                  eps: float = 1e-8) -> jax.Array:
+def orthogonalize(x: jax.Array, ns_steps: int = 5, *, compute_dtype: jnp.dtype | str | None = None,
+                  method: str = "direct", ns_coeffs: Any = "polar_express",
+                  preconditioning: str = "basin", eps: float = 1e-8) -> jax.Array:
     """Approximate polar factor of each matrix in ``x`` (..., R, C).
 
     Scales each matrix into the basin, ``X / (1.01 ||X||_F + 1e-6)``, then runs

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from muon_optax.plan.plan import TreePlan
-from muon_optax.state.wrapped import recorder
+from muon_optax.state.wrapped import RECORDER
 from muon_optax.step.engine import Options, tree_plan
 from muon_optax.step.state import MuonAdamWState, state_partition_specs, state_shapes
 
@@ -35,31 +35,27 @@ class Init:
         return state_partition_specs(plan, opts.axes, skipped=opts.skip_nonfinite)
 
     def __call__(self, params: Any) -> MuonAdamWState:
-        record = recorder()
+        record = RECORDER.get()
         if record is not None:   # muon_optax.state_specs looking inside a wrapper
             return record(self, params)
         return self._fn(params)
 
-    def global_shapes(self, params: Any,
-                      axes: tuple[tuple[str, int], ...] | None = None) -> MuonAdamWState:
-        """The state's global shape structs for ``params`` over owner ``axes`` (default:
-        the options' owner axes at their mesh's sizes, 1 without a mesh)."""
-        if axes is None:
-            mesh = dict(self.options.mesh.shape) if self.options.mesh is not None else {}
-            axes = tuple((a, mesh.get(a, 1)) for a in self.options.axes or ())
+    def global_shapes(self, params: Any, mesh: jax.sharding.Mesh | None = None) -> MuonAdamWState:
+        """The global state's shape structs on ``mesh`` (default: the options'; none: 1 device)."""
+        mesh = self.options.mesh if mesh is None else mesh
+        sizes = {} if mesh is None else dict(mesh.shape)
+        axes = tuple((a, sizes[a]) for a in self.options.axes or () if a in sizes)
         return global_state_shapes(tree_plan(self.options, params, axes), params,
                                    self.options.skip_nonfinite)
 
     def plan(self, params: Any, num_devices: int | None = None, state: Any = None) -> TreePlan:
-        """The static plan of ``params`` for ``num_devices`` devices along one owner axis,
-        or the mesh's owner axes (``state``: one made for them, whose layout says how
-        traced params on Auto axes are laid out)."""
+        """The static plan for ``num_devices`` along one owner axis, or the mesh's axes
+        (``state``: one made for them, whose layout tells traced params' Auto layouts)."""
         return tree_plan(self.options, params, owner_axis_sizes(self.options, num_devices), state)
 
     def stack_info(self, params: Any, num_devices: int | None = None) -> list[dict[str, Any]]:
         """Which matrices each stack holds and who owns them (inspection, benchmarks)."""
-        plan = self.plan(params, num_devices)
-        # padded: the slots every device's program holds, times the device count.
+        plan = self.plan(params, num_devices)   # padded: every device's slots, all devices
         return [dict(shape=(sp.stack.rows, sp.stack.cols), dtype=str(sp.stack.dtype),
                      size=sp.stack.size, transport=sp.transport, slots=sp.num_slots,
                      padded=sp.num_slots * plan.num_devices, counts=sp.counts.tolist(),
@@ -69,19 +65,16 @@ class Init:
 
 def global_state_shapes(plan: TreePlan, params: Any, skipped: bool = False) -> MuonAdamWState:
     """The shape structs of the global state of ``params`` under ``plan``."""
-    leaves = plan.treedef.flatten_up_to(params)
-    return state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                        per_device=False, skipped=skipped)
+    return state_shapes(plan, plan.treedef.flatten_up_to(params), per_device=False,
+                        skipped=skipped)
 
 
 def init_of(tx: Any, where: str, hint: str = "") -> Init:
-    """The :class:`Init` of a transformation this library built, or an error saying what
-    ``where`` needs instead (``hint``: how)."""
+    """The :class:`Init` of ``tx`` (built here), or an error saying what ``where`` needs."""
     init = getattr(tx, "init", None)
     if not isinstance(init, Init):
-        raise TypeError(f"{where} needs the transformation returned by muon_optax.muon_adamw "
-                        "(or muon, adamw, contrib_muon) itself, not a chain or a wrapper "
-                        f"around it{hint}.")
+        raise TypeError(f"{where} needs the transformation from muon_optax.muon_adamw (or muon, "
+                        f"adamw, contrib_muon) itself, not a chain or a wrapper around it{hint}.")
     return init
 
 

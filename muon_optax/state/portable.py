@@ -1,8 +1,7 @@
-"""Optimizer state that moves between device counts and sharding modes. The Muon state's
-flat per-device buffers depend on the device count, the owner plan and the params' layouts,
-and large AdamW moments may be padded: :func:`export_state` gives the same numbers per
-parameter, in the parameter's own layout, and :func:`import_state` takes them back, both pure
-functions of global arrays (eager or under ``jax.jit``)."""
+"""Optimizer state that moves between device counts and sharding modes. The flat Muon
+buffers depend on the device count, owner plan and params' layouts, and large AdamW moments
+may be padded: :func:`export_state` gives the same numbers per parameter, in its layout, and
+:func:`import_state` takes them back (pure functions of global arrays, eager or jitted)."""
 
 from __future__ import annotations
 
@@ -20,11 +19,7 @@ from muon_optax.params.layout import MatrixLeaf
 from muon_optax.plan.plan import StackPlan, TreePlan
 from muon_optax.plan.specs import to_partition_spec, typed_spec
 from muon_optax.state.init import Init, global_state_shapes, init_of
-from muon_optax.state.optax_state import (
-    export_optax_state,
-    holds_optax_muon_state,
-    import_optax_state,
-)
+from muon_optax.state.optax_state import export_optax_state, import_optax_state, is_optax_muon_state
 from muon_optax.state.wrapped import locate
 from muon_optax.step.collectives import pad_to
 from muon_optax.step.rows import member_rows
@@ -32,9 +27,8 @@ from muon_optax.step.state import MuonAdamWState, MuonBuffers, check_state, stat
 
 
 def _plan(tx: Any, params: Any, num_devices: int | None, where: str, state: Any = None) -> TreePlan:
-    init = init_of(tx, where, ": import the state of the one you wrapped and put it in the "
-                   "wrapper's state (e.g. (optax.EmptyState(), state) for "
-                   "optax.chain(optax.clip(1.0), tx))")
+    init = init_of(tx, where, ": import the wrapped one's state into the wrapper's (e.g. "
+                   "(optax.EmptyState(), state) for optax.chain(optax.clip(1.0), tx))")
     opts = init.options
     if opts.axes is None or opts.mesh is not None:
         num_devices = None
@@ -42,21 +36,6 @@ def _plan(tx: Any, params: Any, num_devices: int | None, where: str, state: Any 
         raise ValueError(f"{where}: this transformation runs inside your own shard_map and does "
                          "not know the device count: pass num_devices=.")
     return init.plan(params, num_devices, state)
-
-
-def _inside(tx: Any, state: Any, params: Any) -> tuple[Any, Any, Any]:
-    """``(tx, state, params)`` of the one muon_optax transformation in a chain or wrapper
-    (``state/wrapped.py``), or of ``tx`` itself."""
-    if isinstance(getattr(tx, "init", None), Init):
-        return tx, state, params
-    # The structure only: any device count will do.
-    found, _ = locate(tx, params, lambda init, seen: init.global_shapes(seen))
-    if len(found) != 1:
-        raise TypeError(f"export_state: found {len(found)} muon_optax transformations in this "
-                        "one; pass the muon_optax transformation itself and its part of the "
-                        "state.")
-    f = found[0]
-    return optax.GradientTransformation(f.init, None), f.part(state), f.params
 
 
 def _explicit_mesh(tx: Any, trees: Any) -> Any:
@@ -124,25 +103,28 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
       params: the params (arrays or shape structs) the state belongs to.
       num_devices: only for a transformation built with ``axis_name`` but no ``mesh``
         (inside your own ``shard_map``): the state's device count (default: read from it).
-      as_optax: for a :func:`muon_optax.contrib_muon` (alone or wrapped), return the
-        state ``optax.contrib.muon`` with the same arguments (wrapped the same way) would
-        have, to continue the run on optax (``state/optax_state.py``).
+      as_optax: for a :func:`muon_optax.contrib_muon` (alone or wrapped), the state that
+        ``optax.contrib.muon`` with its arguments, wrapped alike, would have (to go on in optax).
 
     Returns:
-      The portable form, which continues on any device count and mode exactly as if
-      uninterrupted::
+      The portable form (continues on any device count and mode exactly as if uninterrupted)::
 
         {"count": int32 scalar,
          "mu", "nu": AdamW moments (params' structure; None at Muon leaves),
          "momentum": Muon momentum (params' structure, leaf-shaped; None at AdamW leaves),
-         "second_moment": NorMuon's, likewise, the averaged side's axes of length 1 (a
-                          leaf cut into blocks: its block view, so it imports only where
-                          given the same blocks),
+         "second_moment": NorMuon's, likewise, the averaged side's axes of length 1 (cut
+                          into blocks: the block view, imported only with the same blocks),
          "skipped": int32 scalar, steps skipped as non-finite (only with skip_nonfinite)}
     """
     if as_optax:
         return export_optax_state(tx, state, params, num_devices=num_devices)
-    tx, state, params = _inside(tx, state, params)
+    if not isinstance(getattr(tx, "init", None), Init):   # a chain or wrapper: its one part
+        # The structure only: any device count will do.
+        (found,), _ = locate(tx, params, lambda init, seen: init.global_shapes(seen),
+                             "export_state: found {} muon_optax transformations in this one; "
+                             "pass the muon_optax transformation itself and its part of the state.")
+        state, params = found.part(state), found.params
+        tx = optax.GradientTransformation(found.init, None)
     opts = tx.init.options
     if num_devices is None and opts.mesh is None and opts.axes is not None:
         num_devices = _state_devices(tx, state, params)
@@ -151,8 +133,7 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
     mesh = _explicit_mesh(tx, (state, params))
     if mesh is None:
         return _export(plan, state)
-    # Explicit mesh axes: slicing the sharded buffers needs XLA's freedom (auto axes);
-    # the per-parameter arrays come out laid out like their params.
+    # Explicit axes: slicing sharded buffers needs XLA's freedom (auto axes); out as the params.
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                              _portable_specs(plan, state.skipped is not None),
                              is_leaf=lambda x: isinstance(x, P))
@@ -160,9 +141,8 @@ def export_state(tx: optax.GradientTransformation, state: MuonAdamWState, params
 
 
 def _state_devices(tx: Any, state: MuonAdamWState, params: Any) -> int:
-    """The device count a ZeRO-2 state was made for: its mesh's, else the smallest whose
-    plan gives its Muon buffers their sizes, else 1 where that fits (AdamW leaves only,
-    traced: their portable form is the same for any count)."""
+    """The device count a ZeRO-2 state was made for: its mesh's, else the smallest giving its
+    Muon buffers their sizes, else 1 if it fits (AdamW only, traced: any count exports alike)."""
     axes = tx.init.options.axes
     for x in jax.tree.leaves(state):
         mesh = getattr(getattr(x, "sharding", None), "mesh", None)
@@ -207,8 +187,7 @@ def _export(plan: TreePlan, state: MuonAdamWState) -> dict[str, Any]:
 
 def _flat_buffer(plan: TreePlan, key: Any, leaves: list[Any], kind: str,
                  shape: tuple[int, ...]) -> jax.Array:
-    """The device-major ``(N * L,)`` buffer of one state key from leaf-shaped arrays, in the
-    state's ``shape``."""
+    """One state key's device-major ``(N * L,)`` buffer, in ``shape``, from leaf-shaped arrays."""
     momentum = kind == "momentum"
     channel = (plan.owner.momentum if momentum else plan.owner.second)[key]
     dt = key[1] if momentum else key[0]
@@ -235,13 +214,12 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     """``tx``'s state, as global arrays, from :func:`export_state`'s portable form.
 
     Place the result with :func:`muon_optax.state_specs` (or let ``jax.jit`` place it).
-    ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the
-    device count to make the state for (required there). ``portable`` may also be
-    ``optax.contrib.muon``'s state (alone or wrapped) for ``tx`` a
-    :func:`muon_optax.contrib_muon` with the same arguments, wrapped the same way
-    (``state/optax_state.py``).
+    ``num_devices``: for a transformation built with ``axis_name`` but no ``mesh``, the device
+    count to make the state for (required there). ``portable`` may also be
+    ``optax.contrib.muon``'s state (alone or wrapped) for ``tx`` a :func:`muon_optax.contrib_muon`
+    with the same arguments, wrapped the same way (``state/optax_state.py``).
     """
-    if holds_optax_muon_state(portable):
+    if any(map(is_optax_muon_state, jax.tree.leaves(portable, is_leaf=is_optax_muon_state))):
         return import_optax_state(tx, portable, params, num_devices=num_devices)
     plan = _plan(tx, params, num_devices, "import_state")
     _check_portable(plan, portable, params)
@@ -251,16 +229,14 @@ def import_state(tx: optax.GradientTransformation, portable: dict[str, Any], par
     portable = jax.tree.map(lambda x: np.asarray(x) if _elsewhere(x, target) else x, portable)
     mesh = _explicit_mesh(tx, (portable, params))
     skipped = tx.init.options.skip_nonfinite
+    specs = state_partition_specs(plan, tx.init.options.axes, skipped)
     if mesh is None:
         state = _import(plan, portable, params, skipped)
         if target is None or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
             return state
-        specs = state_partition_specs(plan, tx.init.options.axes, skipped)
         return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(target, spec)),
                             state, specs)
-    axes = tuple(a for a, _ in plan.axes) or None
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                             state_partition_specs(plan, axes, skipped),
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                              is_leaf=lambda x: isinstance(x, P))
     return jax.sharding.auto_axes(lambda p: _import(plan, p, params, skipped),
                                   out_sharding=shardings)(portable)
@@ -297,9 +273,8 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
         raise ValueError("import_state: expected the dict made by muon_optax.export_state "
                          f"with keys {sorted(keys)} (and 'skipped').")
     leaves = plan.treedef.flatten_up_to(params)
-    muon = {m.index: m for m in plan.muon}
-    second_of = {m.index: _second_shape(m, sp) for sp in plan.owner.stacks
-                 for m in sp.stack.members}
+    muon = {m.index: (m, _second_shape(m, sp))   # each Muon leaf, its statistics' shape
+            for sp in plan.owner.stacks for m in sp.stack.members}
     for name in ("mu", "nu", "momentum", "second_moment"):
         try:
             given = plan.treedef.flatten_up_to(portable[name])
@@ -313,16 +288,15 @@ def _check_portable(plan: TreePlan, portable: Any, params: Any) -> None:
                                      "parameter is in another kind of group now: the groups "
                                      "or labels differ from the exported state's.")
                 continue
-            shape = second_of[i] if name == "second_moment" else tuple(x.shape)
+            shape = muon[i][1] if name == "second_moment" else tuple(x.shape)
             if g is None or tuple(np.shape(g)) != shape:
                 blocks = ""
                 if name == "second_moment" and g is not None and \
                         math.prod(np.shape(g)) != math.prod(shape):
-                    blocks = (" The NorMuon statistics are per block: a leaf cut into blocks "
-                              "(MuonDimensionNumbers' output_blocks/reduction_blocks) on one "
-                              "side has other statistics than on the other; give this "
-                              "transformation the dimension_numbers of the one that exported "
-                              f"the state (here {muon[i].blocks} (output, reduction) blocks).")
+                    blocks = (" NorMuon's statistics are per block (MuonDimensionNumbers' "
+                              "output_blocks/reduction_blocks): give this transformation the "
+                              "dimension_numbers of the one that exported the state (here "
+                              f"{muon[i][0].blocks} (output, reduction) blocks).")
                 raise ValueError(f"import_state: {name} of {path!r} has shape "
                                  f"{None if g is None else tuple(np.shape(g))}, expected "
                                  f"{shape}: the portable state was exported for other params "

@@ -1,10 +1,8 @@
-"""Finding muon_optax's state inside optax wrappers and chains.
-
-``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``masked`` and the like keep the
-state they wrap somewhere in theirs and expose nothing else. So the wrapper's ``init`` is
-traced abstractly while muon_optax's answers with placeholder arrays it remembers: where
-those land in the wrapper's state is where muon_optax's state is.
-"""
+"""Finding muon_optax's state inside optax wrappers and chains (``optax.chain``,
+``MultiSteps``, ``inject_hyperparams``, ``masked``, ...), which keep the state they wrap
+somewhere in theirs and expose nothing else: the wrapper's ``init`` is traced abstractly while
+muon_optax's answers with placeholder arrays it remembers; where those land in the wrapper's
+state is where muon_optax's state is."""
 
 from __future__ import annotations
 
@@ -15,12 +13,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-_RECORDER: contextvars.ContextVar = contextvars.ContextVar("muon_optax_recorder", default=None)
+# While locate traces a wrapper's init: the function (init, params) -> placeholder state that
+# each muon_optax init answers with (state/init.py); else None.
+RECORDER: contextvars.ContextVar = contextvars.ContextVar("muon_optax_recorder", default=None)
 
 
 class Found(NamedTuple):
-    """One muon_optax transformation inside a wrapper: its state is leaves ``start ..
-    start + n`` of the wrapper's state."""
+    """One muon_optax transformation in a wrapper, its state the leaves ``start:start + n``."""
 
     init: Any          # its ``Init`` (options, plan, state specs)
     params: Any        # the params it was given (a wrapper may mask some)
@@ -29,8 +28,7 @@ class Found(NamedTuple):
     n: int
 
     def part(self, state: Any) -> Any:
-        """Its state, out of the wrapper's ``state``: the subtree itself where found (with
-        its static parts, such as its layout), else rebuilt from its leaves."""
+        """Its state in the wrapper's: the subtree (with its layout) where found, else rebuilt."""
         kind = type(jax.tree.unflatten(self.treedef, [None] * self.n))
         at = 0
         for sub in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)):
@@ -41,22 +39,15 @@ class Found(NamedTuple):
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def recorder() -> Any:
-    """While :func:`locate` traces a wrapper's ``init``, the function ``(init, params) ->
-    placeholder state`` that each muon_optax ``init`` answers with; else None."""
-    return _RECORDER.get()
-
-
-def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
-    """The muon_optax transformations inside ``tx`` and where their states lie, and the
-    shape structs of ``tx``'s whole state; ``shapes_of(init, params)``: the shape structs
-    each answers with (global shapes, say)."""
+def locate(tx: Any, params: Any, shapes_of, one: str | None = None) -> tuple[list[Found], Any]:
+    """The muon_optax transformations in ``tx``, where their states lie, and ``tx``'s state's
+    shapes (``shapes_of(init, params)``: each one's); ``one``: the TypeError unless just one."""
     calls: list[tuple[Any, Any, Any]] = []
     def record(init: Any, seen: Any) -> Any:
         state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes_of(init, seen))
         calls.append((init, seen, state))
         return state
-    token = _RECORDER.set(record)
+    token = RECORDER.set(record)
     found: list[Found] = []
     try:
         def traced(p):
@@ -73,7 +64,9 @@ def locate(tx: Any, params: Any, shapes_of) -> tuple[list[Found], Any]:
             return out
         shapes = jax.eval_shape(traced, params)
     finally:
-        _RECORDER.reset(token)
+        RECORDER.reset(token)
+    if one is not None and len(found) != 1:
+        raise TypeError(one.format(len(found)))
     return found, shapes
 
 
@@ -92,12 +85,7 @@ def state_specs(tx: Any, params: Any, mesh: jax.sharding.Mesh) -> Any:
     specs_fn = getattr(tx.init, "state_specs", None)
     if specs_fn is not None:
         return specs_fn(params, mesh)
-
-    def shapes_of(init, seen):
-        axes = init.options.axes or ()
-        return init.global_shapes(seen, tuple((a, mesh.shape[a]) for a in axes if a in mesh.shape))
-
-    found, shapes = locate(tx, params, shapes_of)
+    found, shapes = locate(tx, params, lambda init, seen: init.global_shapes(seen, mesh))
     if not found:
         raise TypeError("state_specs: no muon_optax transformation (muon_adamw, muon, adamw, "
                         "contrib_muon) found in this one or in its state; for a plain optax "

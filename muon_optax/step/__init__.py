@@ -1,2 +1,1 @@
-"""The traced update: on one device, sharded, the transports between the two, and the
-``mesh=`` form that runs its own ``shard_map`` under ``jax.jit``."""
+"""The traced update: one device, sharded (with its transports), and the ``mesh=`` form."""

@@ -1,8 +1,5 @@
-"""The collectives along the owner axes (one mesh axis or several; their ``N`` devices
-numbered row-major, as ``jax.lax.axis_index`` numbers them). As nanochat's ``DistMuonAdamW``:
-reduce-scatter the gradients, update the owned share (:mod:`muon_optax.plan.plan` decides
-whose), all-gather the result. With ``axis_name=None``, N = 1: every collective is the
-identity."""
+"""Collectives along the owner axes (``N`` devices, row-major as ``jax.lax.axis_index``), as
+nanochat's ``DistMuonAdamW``: reduce-scatter, update the owned share, all-gather."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ SCATTER_PIECE_BYTES = 64 * 2**20
 
 
 class Cost(NamedTuple):
-    """What a piece of the step costs one device: the bytes it sends (ring: ``(n - 1) / n``
-    of a collective's whole buffer, twice that for an all-reduce) and its FLOPs. Adds up."""
+    """One device's bytes sent (ring: ``(n - 1) / n`` of a buffer, 2x all-reduce) and FLOPs."""
 
     sent: float = 0.0
     flops: float = 0.0
@@ -63,8 +59,7 @@ class Collectives:
         return 0 if self.size == 1 else jax.lax.axis_index(self.axes)
 
     def pick(self, table: np.ndarray) -> int | jax.Array | np.ndarray:
-        """``table[me]`` for a static table indexed by device: a constant when every
-        device has the same entry."""
+        """``table[me]`` of a static per-device table: a constant where all entries agree."""
         table = np.asarray(table)
         if (table == table[:1]).all():
             return int(table[0]) if table.ndim == 1 else table[0]
@@ -92,10 +87,9 @@ class Collectives:
 
     def mean_scatter_rows(self, rows: list[list[jax.Array]], length: int, piece: int,
                           dtype: Any) -> jax.Array:
-        """Reduce-scatter (mean) of the buffer whose row ``d`` is ``rows[d]`` (1-D arrays)
-        end to end, zero-padded to ``length``: this device's row, in ``dtype``. On TPU in
-        column pieces of at most ``piece`` elements, each packed once the previous one is
-        summed, so the packed buffer and the all-to-all's result are never whole at once."""
+        """Reduce-scatter (mean) of rows ``rows[d]`` (1-D arrays end to end, zero-padded to
+        ``length``). On TPU in column pieces of ``piece``, each packed once the previous one is
+        summed: the packed buffer and the all-to-all's result are never whole at once."""
         flat, unflatten = flat_rows(rows)
 
         def whole(*flat):
@@ -126,8 +120,7 @@ class Collectives:
         return jnp.moveaxis(y, 0, axis)
 
     def _sum_scatter_by_exchange_pieces(self, x: jax.Array, axis: int, budget: int) -> jax.Array:
-        """:meth:`_sum_scatter_by_exchange` in pieces of at most ``budget`` bytes, cut along
-        the longest other axis (by 128s where that long), as in :meth:`mean_scatter_rows`."""
+        """The same in pieces of at most ``budget`` bytes along the longest other axis (by 128s)."""
         others = [a for a in range(x.ndim) if a != axis]
         if not others or x.nbytes <= budget:
             return self._sum_scatter_by_exchange(x, axis)
@@ -155,14 +148,13 @@ class Collectives:
             return all_gather_invariant(x, self.axes, axis=axis, tiled=True)
 
     def exchange(self, x: jax.Array) -> jax.Array:
-        """All-to-all of ``(N, L)``: row ``d`` goes to device ``d``; row ``s`` of the
-        result came from device ``s``."""
+        """All-to-all of ``(N, L)``: row ``d`` to device ``d``, row ``s`` back from ``s``."""
         if self.size == 1:
             return x
         return jax.lax.all_to_all(x, self.axes, 0, 0, tiled=True)
 
     def local(self, x: jax.Array | np.ndarray, axis: int = 0) -> jax.Array:
-        """This device's 1/N slice of a replicated array along ``axis`` (no communication)."""
+        """This device's 1/N slice of a replicated array along ``axis``."""
         if self.size == 1:
             return jnp.asarray(x)
         n = x.shape[axis] // self.size

@@ -1,9 +1,7 @@
-"""The engine behind every constructor. :func:`local_update` is one step: gradients
-reduced (ZeRO-2), clip factor and finiteness taken, AdamW leaves stepped where they lie,
-then the Muon stacks through the rule's kernel; all but the arithmetic is decided at trace
-time. Three forms share it: one device; ZeRO-2 inside the user's ``jax.shard_map`` (params
-whole, gradients per device); plain ``jax.jit`` with ``mesh=`` (the engine's own
-``shard_map`` over the params' layouts, gradients reduced by XLA)."""
+"""The engine behind every constructor. :func:`local_update` is one step (gradients reduced,
+clip factor, AdamW leaves, Muon stacks), all but the arithmetic decided at trace time, for
+one device, ZeRO-2 inside the user's ``jax.shard_map``, and plain ``jax.jit`` with ``mesh=``
+(:mod:`~muon_optax.step.jit_mode`)."""
 
 from __future__ import annotations
 
@@ -15,13 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from muon_optax.params.labels import path_str
-from muon_optax.params.variables import unbox, unboxed_structure
 from muon_optax.plan.plan import TreePlan, make_tree_plan
-from muon_optax.plan.specs import check_spec, normalize_spec, placed_specs
+from muon_optax.plan.specs import check_spec, given_specs, placed_specs
 from muon_optax.plan.warn import warn_if_split
 from muon_optax.rule.adamw import adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
@@ -51,26 +46,14 @@ class Options:
 
 
 def leaf_specs(opts: Options, params: Any, known: Any) -> list | None:
-    """Each leaf's layout over ``opts.mesh`` (None without a mesh): from ``param_specs``
-    (one spec for all leaves, or a tree), else from the leaves or, where a traced leaf does
-    not show it, ``known``: the layouts the state was made for."""
+    """Each leaf's layout over ``opts.mesh`` (None without one): ``param_specs``, else the
+    leaves' or, where a traced leaf does not show it, ``known`` (the state's)."""
     if opts.mesh is None:
         return None
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [path_str(p) for p, _ in flat]
-    leaves = [x for _, x in flat]
-    if opts.param_specs is not None:
-        tree = opts.param_specs(params) if callable(opts.param_specs) else opts.param_specs
-        try:
-            given = ([tree] * len(leaves) if isinstance(tree, (P, NamedSharding))
-                     else unboxed_structure(params).flatten_up_to(unbox(tree)))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{opts.name}: param_specs must have the params' structure with "
-                             "a PartitionSpec at every leaf (or be a callable params -> such "
-                             "a tree).") from e
-        specs = [normalize_spec(s, len(x.shape), p) for s, x, p in zip(given, leaves, paths)]
-    else:
-        specs = placed_specs(leaves, paths, opts.mesh, known, opts.name)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths, leaves = [path_str(p) for p, _ in flat], [x for _, x in flat]
+    specs = (given_specs(opts.param_specs, params, opts.name) if opts.param_specs is not None
+             else placed_specs(leaves, paths, opts.mesh, known, opts.name))
     for s, x, p in zip(specs, leaves, paths):
         _check_mesh(x, opts, p)
         check_spec(s, x.shape, dict(opts.mesh.shape), p)
@@ -96,8 +79,7 @@ def _check_mesh(x: Any, opts: Options, path: str) -> None:
 
 def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...],
               state: Any = None) -> TreePlan:
-    """The plan of ``params``; ``state``: the state ``update`` was given (its layout
-    records the params' layouts seen when it was made)."""
+    """The plan of ``params``; ``state``, if given, records the layouts seen at init."""
     known = getattr(getattr(state, "layout", None), "specs", None)
     specs = leaf_specs(opts, params, known)
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
@@ -111,9 +93,7 @@ def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...],
 
 
 def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[int, tuple]:
-    """Each AdamW leaf's mean gradient and param, as this device updates them: split
-    params where they lie; whole ones all-reduced if small, else reduce-scattered along
-    their split axis with this device's slice of the param."""
+    """Each AdamW leaf's mean gradient and param as this device steps them (:func:`adamw_cost`)."""
     out = {}
     for a in plan.adamw:
         g, p = g_leaves[a.index], None if p_leaves is None else p_leaves[a.index]
@@ -129,12 +109,10 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
 def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
                       leaves, reduced: dict, moments, scale, updates: list,
                       muon) -> tuple[Any, Any, Any]:
-    """:func:`_adamw_phase` for the ``late`` leaves, after the Muon phase (before it, each
-    whole update's gather would be held through it). On TPU their inputs pass a barrier with
-    the Muon state (and under ``mesh=`` the split Muon updates); ZeRO-2's Muon updates are
-    whole, which a barrier would hold all at once, so there they wait for one element of
-    each. ``reduced``: ZeRO-2's gradient shares, reduce-scattered early for the statistics.
-    Returns the new ``(mu, nu)`` and ``muon``."""
+    """:func:`_adamw_phase` for ``late`` leaves, after the Muon phase (before it each gathered
+    update would be held through it). On TPU their inputs pass a barrier with the Muon state
+    (and under ``mesh=`` the split Muon updates; ZeRO-2's whole ones a barrier would hold: they
+    wait for one element of each). ``reduced``: ZeRO-2's shares, reduced early for the stats."""
     g_leaves, p_leaves = leaves
     mu, nu = (plan.treedef.flatten_up_to(x) for x in moments)
     # ZeRO-2's params stay out of the barrier (on one device they are not varying, unlike
@@ -173,8 +151,7 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
 
 def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads: dict,
                  state, updates: list) -> tuple[Any, Any]:
-    """AdamW leaves, from :func:`_adamw_grads`: fills ``updates`` (split ones gathered
-    back); returns the new ``(mu, nu)``."""
+    """AdamW leaves from :func:`_adamw_grads` into ``updates``; returns ``(mu, nu)``."""
     mu, nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
     for a in plan.adamw:
         g, p = grads[a.index]
@@ -186,24 +163,22 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
     return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu)
 
 
-def adamw_cost(plan: TreePlan, local_shapes: list[tuple], dtypes: list, reduced: bool) -> Cost:
-    """A leaf stepped split: its gradient reduce-scattered (unless ``reduced``), its update
-    all-gathered; a small one all-reduced (unless ``reduced``); one split where it lies:
-    nothing."""
+def adamw_cost(plan: TreePlan, local: list, reduced: bool) -> Cost:
+    """``local``'s leaves (a device's blocks) stepped split: gradient reduce-scattered and a small
+    one all-reduced (unless ``reduced``), update all-gathered; one split where it lies: 0."""
     n, total = plan.num_devices, Cost()
     for a in plan.adamw:
         split = not a.local and a.axis is not None
-        local = math.prod(a.padded) // n if split else math.prod(local_shapes[a.index])
+        size = math.prod(a.padded) // n if split else math.prod(local[a.index].shape)
         ring = (n - 1) * (1 if reduced else 2) if split else \
             0 if a.local or reduced else 2 * (n - 1) / n
         # 20 FLOPs an element: moments, bias correction, decay (the cost model's)
-        total += Cost(ring * local * dtypes[a.index].itemsize, 20 * local)
+        total += Cost(ring * size * local[a.index].dtype.itemsize, 20 * size)
     return total
 
 
 def check_update_args(opts: Options, grads, params) -> None:
-    """``tx.update``'s arguments, checked before the step is traced: the params when the
-    rule reads them, grads of the params' structure."""
+    """``tx.update``'s arguments, before tracing: params if read, grads of their structure."""
     if params is None and any(not isinstance(c, AdamWConfig) or c.needs_params()
                               for c in opts.configs.values()):
         raise ValueError(f"{opts.name}: update needs the params (Muon's cautious weight "
@@ -216,9 +191,8 @@ def check_update_args(opts: Options, grads, params) -> None:
 
 
 def _check_vma(plan: TreePlan, comm: Collectives, g_leaves, p_leaves, name: str) -> None:
-    """Inside the user's shard_map the gradients must arrive per device ("varying"): the
-    optimizer averages them itself; the params whole (one split over an owner axis would be
-    orthogonalized block by block). Only ``check_vma=True`` types show either."""
+    """Inside the user's shard_map (as ``check_vma=True`` types show): gradients per device
+    (the optimizer averages them), params whole (else orthogonalized block by block)."""
     if not comm.active or comm.grads_reduced or not varying_axes(jax.lax.axis_index(comm.axes)):
         return
     for path, g in zip(plan.paths, g_leaves or ()):
@@ -248,15 +222,14 @@ def _check_vma(plan: TreePlan, comm: Collectives, g_leaves, p_leaves, name: str)
 
 
 def local_init(plan: TreePlan, opts: Options, params: Any) -> MuonAdamWState:
-    leaves = plan.treedef.flatten_up_to(params)
-    want = state_shapes(plan, [tuple(x.shape) for x in leaves], [x.dtype for x in leaves],
-                        per_device=True, skipped=opts.skip_nonfinite)
+    want = state_shapes(plan, plan.treedef.flatten_up_to(params), per_device=True,
+                        skipped=opts.skip_nonfinite)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), want)
 
 
 def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
                  moves: Transports) -> GradStats:
-    """:class:`GradStats` from this device's reduced shares (see :mod:`~muon_optax.step.guard`)."""
+    """:class:`GradStats` from this device's reduced shares."""
     split = [grads[a.index][0] for a in plan.adamw if a.axis is not None] + moves.reduced_buffers()
     total = sums([grads[a.index][0] for a in plan.adamw if a.axis is None])
     if split:
@@ -266,8 +239,7 @@ def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
 
 def local_update(plan: TreePlan, opts: Options, grads, state, params,
                   stats: GradStats | None = None):
-    """One step on this device. ``stats``: the clip factor and finiteness, if the caller
-    computed them (``mesh=``, on the global arrays); else computed here if asked for."""
+    """One step on this device; ``stats``: clip factor and finiteness if the caller took them."""
     comm = Collectives(opts.axes, grads_reduced=opts.mesh is not None, where=opts.name)
     g_leaves = plan.treedef.flatten_up_to(grads)
     p_leaves = plan.treedef.flatten_up_to(params) if params is not None else None
@@ -277,10 +249,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
                              f"the parameter has shape {x.shape}.")
     _check_vma(plan, comm, g_leaves, p_leaves, opts.name)
     ref = p_leaves or g_leaves
-    dtypes = [x.dtype for x in ref]
-    check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in ref], dtypes,
-                                           per_device=True, skipped=opts.skip_nonfinite),
-                 opts.name, dtypes)
+    check_state(plan, state, state_shapes(plan, ref, per_device=True, skipped=opts.skip_nonfinite),
+                opts.name, [x.dtype for x in ref])
     count = state.count
     hps = {name: c.at(count) for name, c in opts.configs.items()}
     owners = comm.active and not plan.per_stack_state

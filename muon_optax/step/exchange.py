@@ -1,9 +1,7 @@
-"""The exchange transport (``mesh=`` FSDP, blocks split over the devices): equal pieces of
-every matrix go to its owner in an all-to-all and are reassembled there; the directions go
-back cut into the holders' blocks, in another. On TPU both go in column pieces (in lanes
-where the cuts are whole tiles), each sent just before its first load or once complete, so
-no one holds every piece at once; elsewhere each is one all-to-all. Same results, bit for bit.
-"""
+"""The exchange transport (``mesh=``, blocks split over the devices): equal pieces of every
+matrix to its owner in an all-to-all, the directions back in another. On TPU both go in column
+pieces, each sent just before its first load or once complete, so no one holds every piece at
+once; elsewhere each is one all-to-all. Same results, bit for bit."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ from muon_optax.rule.order import wait_for
 from muon_optax.rule.platform import per_platform
 from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
 from muon_optax.step.rows import (
-    device_rows,
     dynamic_slice,
     dynamic_update,
     flat,
@@ -37,16 +34,14 @@ from muon_optax.step.rows import (
 
 
 def exchange_piece(owner: OwnerPlan) -> int:
-    """Elements of each row in one piece of an all-to-all on TPU: half a largest holder's
-    block (fewer temporaries than a whole, a quarter or 3/8 of one), so a piece of every
-    row together holds about half a largest Muon matrix."""
+    """Elements of each row in one TPU piece of an all-to-all: half a largest holder's block
+    (fewer temporaries than a whole, a quarter or 3/8 of one)."""
     return max([1] + [sp.route.block_size for sp in owner.stacks
                       if sp.transport == EXCHANGE]) // 2 or 1
 
 
 def _grid_to_matrix(route, x: jax.Array) -> jax.Array:
-    """``(n, blocks, block_size)`` (blocks row-major over the grid, each laid out by
-    :func:`~muon_optax.step.rows.flat`) -> ``(n, *mshape)``."""
+    """``(n, blocks, block_size)`` (row-major over the grid, each by :func:`flat`) -> matrices."""
     n, g, b = x.shape[0], route.grid, route.block_shape
     x = shaped(x, (n, math.prod(g)) + b, len(b)).reshape((n,) + g + b)
     perm = (0,) + tuple(a for i in range(len(g)) for a in (1 + i, 1 + len(g) + i))
@@ -63,10 +58,9 @@ def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
 
 
 def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
-    """``fn(member)`` for slots ``j0 .. j0+n`` along ``axis``, picked per slot among the
-    stack's layouts. Leaves of one stored shape split differently (a Flax kernel on rows, a
-    PyTorch one on columns) share one stack: one polar program, one balance over the devices
-    (apart, each might leave a remainder slot, a ``lax.cond``), for a reshape per layout."""
+    """``fn(member)`` per slot ``j0 .. j0+n`` (along ``axis``) of its layout. Leaves split
+    differently (Flax kernels on rows, PyTorch on columns) share a stack: one polar program and
+    balance (apart, each might leave a remainder slot, a ``lax.cond``)."""
     reps, table = sp.variants()
     if len(reps) == 1:
         return fn(reps[0])
@@ -79,10 +73,8 @@ def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int
 
 
 class ExchangeSource:
-    """Owned matrices of the ``"exchange"`` stacks of one dtype, by one all-to-all. Every
-    device cuts its block of each matrix into ``replicas`` equal sub-pieces and sends the
-    owner the one matching its place among the block's holders: all send the same number of
-    elements, and the owner reassembles them by a fixed permutation."""
+    """Owned matrices of the ``"exchange"`` stacks of one dtype: each holder of a block sends
+    the owner its sub-piece of ``replicas`` equal ones, reassembled by a fixed permutation."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
                  comm: Collectives):
@@ -100,11 +92,11 @@ class ExchangeSource:
         parts, unflatten = flat_rows(self._parts(leaves))
 
         def whole(*parts):
-            got = comm.exchange(jnp.stack(device_rows(unflatten(parts), length, dtype)))
+            got = comm.exchange(jnp.stack([row_slice(r, 0, length, dtype)
+                                           for r in unflatten(parts)]))
             return [jax.lax.slice_in_dim(got, c0, c1, axis=1) for c0, c1 in self.bounds]
 
-        def none_yet(*parts):   # TPU: the load that first needs a piece exchanges it
-            del parts
+        def none_yet(*_):   # TPU: the load that first needs a piece exchanges it
             return [jnp.zeros((n, c1 - c0), dtype) for c0, c1 in self.bounds]
 
         self.dtype, self.leaves = dtype, [leaves[i] for i in self.members]
@@ -118,7 +110,7 @@ class ExchangeSource:
         return Cost((owner.num_devices - 1) * owner.exchange[dtype].length * dtype.itemsize)
 
     def _parts(self, leaves) -> list[list[jax.Array]]:
-        """Per device, the parts of ``leaves`` (a list, or a dict of this channel's) it is sent."""
+        """Per device, the parts of ``leaves`` (a list, or a dict) it is sent."""
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
@@ -126,8 +118,7 @@ class ExchangeSource:
         return parts
 
     def _piece_leaves(self) -> list[list[int]]:
-        """Per piece, the leaves (indices in ``self.members``) some device's columns of it
-        are cut from."""
+        """Per piece, the leaves (indices in ``self.members``) its columns are cut from."""
         position = {index: i for i, index in enumerate(self.members)}
         runs = []   # (first column, end, member position), every device's row
         for d in range(self.comm.size):
@@ -143,8 +134,7 @@ class ExchangeSource:
 
     def _exchange(self, first: int, last: int, leaves, got: dict, prev) -> dict:
         """Pieces ``first .. last-1`` not yet in ``got``, exchanged (TPU), each packed once
-        ``prev`` (the previous stack's direction) and the previous piece are in, so it is
-        received just before the load that first reads it."""
+        ``prev`` and the previous piece are in: received just before the load that reads it."""
         got, now = dict(got), dict(zip(self.members, leaves))
         for p in range(first, last):
             if p in got:
@@ -184,9 +174,7 @@ class ExchangeSource:
                      + (j0 * piece - first * self.width) // lane)   # in `lane` elements
             return dynamic_slice(cols, start, n * piece // lane, 1)
 
-        # On TPU the pieces covering these columns on any device, exchanged here if no
-        # earlier load did; elsewhere the one received buffer.
-        def whole(received):
+        def whole(received):   # not TPU: the one received buffer
             return lanes(columns(received, 0, 1), lane)
 
         if self.comm.size == 1:
@@ -203,8 +191,7 @@ class ExchangeSource:
                 pieces = wait_for([got[p] for p in range(p0, p1)], wait)
                 return (columns(pieces, p0, lane), *[got[p] for p in new])
 
-            def default(*args):
-                del args
+            def default(*_):
                 return (whole(self.received), *[lanes(self.received[p], lane) for p in new])
 
             wait = prev if prev is not None else jnp.zeros((), self.dtype)
@@ -225,9 +212,8 @@ class ExchangeSource:
 
 
 class Directions(NamedTuple):
-    """An exchange sink's directions so far: the ``(N, length)`` buffer (not on TPU); on
-    TPU the pieces being written, ``(N, width)``, those sent (``0 .. len(got)-1``, as
-    received), and the last store's result, which the next load waits for."""
+    """An exchange sink's directions so far: the ``(N, length)`` buffer (not TPU); on TPU the
+    pieces being written, those sent and the last store's result (the next load waits)."""
     buffer: jax.Array
     parts: dict
     got: dict
@@ -235,17 +221,16 @@ class Directions(NamedTuple):
 
 
 class ExchangeSink:
-    """Directions of the ``"exchange"`` stacks: each holder gets back its whole block, from
-    one ``(N, length)`` buffer sent once every stack has run or, on TPU, from pieces each
-    sent once no later store can write it."""
+    """Directions of the ``"exchange"`` stacks back to every holder of their blocks: one
+    ``(N, length)`` buffer sent after the last stack or, on TPU, each piece once complete."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm, self.dtype = owner, comm, dtype
         self.channel = owner.back[dtype]
         length, width = self.channel.length, max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
-        # Pieces are written as (N, width) rows (in lanes, the stores left more
-        # temporaries) and sent in lanes, so a holder reads its blocks by slices.
+        # Pieces are written as (N, width) rows (in lanes the stores left more temporaries),
+        # sent in lanes: a holder reads its blocks by slices.
         self.lane = lane_of(dtype, width, length, self.channel.offsets,
                             [owner.stacks[k].route.block_size for k in self.channel.stacks])
 
@@ -272,17 +257,13 @@ class ExchangeSink:
         start = self.comm.pick(self.channel.offsets[k]) + j0 * sp.route.block_size
 
         def whole():
-            r = rows
-            if owned is not None:
-                r = jnp.where(owned, r, dynamic_slice(acc.buffer, start, r.shape[1], 1))
-            return dynamic_update(acc.buffer, r, start, 1)
+            return dynamic_update(acc.buffer, rows, start, 1, owned)
 
         if self.comm.size == 1:
             return acc._replace(buffer=whole())
-        # TPU: the rows go into the unsent pieces they may fall in on some device; the
-        # pieces complete after this store are sent (stacks lie in the channel in order,
-        # and slots in a stack, so the next write on every device starts past them).
-        # Pieces go back in order: those sent are the first len(acc.got).
+        # TPU: the rows go into the unsent pieces they may fall in on some device; those
+        # complete after this store are sent (stacks and slots lie in the channel in order:
+        # the next write on every device starts past them), so the first len(acc.got).
         size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
         lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
         unsent = range(len(acc.got), len(self.bounds))
@@ -317,9 +298,8 @@ class ExchangeSink:
     @staticmethod
     def _into(part: jax.Array, rows: jax.Array, start, c0: int, first: int, last: int,
               owned: jax.Array | None) -> jax.Array:
-        """``part`` (columns ``c0 ..``) with whatever of ``rows`` (columns ``start ..``,
-        ``first <= start <= last`` everywhere) falls in it, unless not ``owned``. The rows are
-        padded by the piece's width on each side, so the window read is never clamped."""
+        """``part`` (columns ``c0 ..``) with what falls in it of ``rows`` (columns ``start ..``,
+        ``first <= start <= last``) where ``owned``; padded so the window is never clamped."""
         length, width = rows.shape[1], part.shape[1]
         a, b = max(0, c0 - last), min(length, c0 + width - first)
         padded = jnp.pad(rows[:, a:b], ((0, 0), (width, width)))

@@ -50,8 +50,8 @@ def from_sums(total: jax.Array, max_grad_norm: float | None, skip: bool) -> Grad
 
 
 def stats_cost(plan: TreePlan, given: list, reduced: bool, on: bool) -> Cost:
-    """When ``on``, all-reduces of float32 pairs: one under ZeRO-2 if a share is
-    reduce-scattered; under ``mesh=`` one per leaf split where it lies (``given``)."""
+    """When ``on``, all-reduces of float32 pairs: ZeRO-2's one if a share is reduce-scattered;
+    under ``mesh=`` one per leaf split where it lies (``given``)."""
     pairs = (sum(1 for spec in given if any(spec)) if reduced else int(bool(plan.owner.gather)
              or any(a.axis is not None and not a.local for a in plan.adamw)))
     return Cost(2 * (plan.num_devices - 1) / plan.num_devices * 2 * 4 * pairs if on else 0.0)
@@ -68,8 +68,7 @@ def scaled(g: jax.Array, scale: jax.Array | None) -> jax.Array:
 
 
 def select(finite: jax.Array | None, updates: list, new_state: Any, old_state: Any):
-    """``(updates, state)`` where ``finite``, else zero updates, the old state and one more
-    skipped step."""
+    """``(updates, state)`` if ``finite``, else zero updates and the old state, one more skipped."""
     if finite is None:
         return updates, new_state
     updates = [jnp.where(finite, u, jnp.zeros((), u.dtype)) for u in updates]
@@ -80,14 +79,13 @@ def select(finite: jax.Array | None, updates: list, new_state: Any, old_state: A
 
 
 def check_options(max_grad_norm: Any, skip_nonfinite: Any, where: str) -> Any:
-    """The two options as the constructors take them, or a clear error. A 0-d array is
-    kept (``optax.inject_hyperparams`` hands in numbers as arrays)."""
+    """The two options as the constructors take them, or a clear error. A 0-d array is kept
+    (``optax.inject_hyperparams`` hands in numbers as arrays, which it keeps in the state)."""
     check_flag(skip_nonfinite, "skip_nonfinite", where)
     if max_grad_norm is None:
         return None
     if isinstance(max_grad_norm, jax.Array) and max_grad_norm.ndim == 0:
-        # Checked as a float if concrete (a traced one is known only when the step runs);
-        # it stays an array, which inject_hyperparams keeps in the state.
+        # Checked if concrete (a traced one is known only when the step runs).
         if concrete_value(max_grad_norm) is not None:
             check_options(concrete_value(max_grad_norm), skip_nonfinite, where)
         return max_grad_norm

@@ -1,7 +1,5 @@
-"""The plain ``jax.jit`` form (``mesh=``): the engine runs its own ``shard_map``. Every leaf
-enters in its own layout (:func:`muon_optax.plan.specs.placed_specs`), the gradients already
-averaged by XLA; the updates leave laid out like the params, the state split over the owner
-axes."""
+"""The plain ``jax.jit`` form (``mesh=``): the engine in its own ``shard_map``, every leaf in
+its own layout, the gradients averaged by XLA; the updates leave laid out like the params."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ from muon_optax.step.state import check_state, state_partition_specs, state_shap
 
 
 def wrap_in_shard_map(opts: Options):
-    """``(init, update)`` that run their own ``shard_map`` over ``opts.mesh``
-    (``check_vma=False``: a block an all-to-all hands to all its holders is the same on
-    each, which jax's types cannot see)."""
+    """``(init, update)`` in their own ``shard_map`` over ``opts.mesh`` (``check_vma=False``:
+    a block an all-to-all hands to all its holders is the same on each, unseen by types)."""
     mesh, name = opts.mesh, opts.name
     axes = tuple((a, mesh.shape[a]) for a in opts.axes)
 
@@ -36,8 +33,8 @@ def wrap_in_shard_map(opts: Options):
     skip = opts.skip_nonfinite
 
     def moved(x, spec: P, path: str = "state"):
-        """Explicit axes: a leaf typed with another layout (or none: unplaced) moves to
-        ``spec`` first. Auto axes need nothing: XLA moves data to match ``in_specs``."""
+        """Explicit axes: a leaf typed with another layout (or unplaced) moves to ``spec``
+        first. Auto axes need nothing: XLA moves data to match ``in_specs``."""
         if not explicit:
             return x
         typed = typed_spec(x, path) or ((),) * len(x.shape)
@@ -54,8 +51,7 @@ def wrap_in_shard_map(opts: Options):
         _outside_shard_map(name)
         plan = tree_plan(opts, params, axes)
         fn = functools.partial(local_init, plan, opts)
-        # Jitted: called eagerly (nnx.Optimizer does), a shard_map runs op by op, each op
-        # compiled on its own (hundreds of compiles for one GPT's state).
+        # Jitted: run eagerly (nnx.Optimizer), a shard_map compiles op by op (hundreds of times).
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(layouts(plan),), check_vma=False,
                                      out_specs=state_partition_specs(plan, opts.axes, skip)))(
             placed(params, plan))
@@ -65,13 +61,10 @@ def wrap_in_shard_map(opts: Options):
         check_update_args(opts, grads, params)
         ref = params if params is not None else grads
         plan = tree_plan(opts, ref, axes, state)
-        leaves = plan.treedef.flatten_up_to(ref)
-        check_state(plan, state, state_shapes(plan, [tuple(x.shape) for x in leaves],
-                                               [x.dtype for x in leaves], per_device=False,
-                                               skipped=skip), name)
+        check_state(plan, state, state_shapes(plan, plan.treedef.flatten_up_to(ref),
+                                               per_device=False, skipped=skip), name)
         specs, sspecs = layouts(plan), state_partition_specs(plan, opts.axes, skip)
-        # Clipping and finiteness read the whole (already averaged) gradient: computed
-        # here on the global arrays, handed to every device as replicated scalars.
+        # Clipping and finiteness read the whole gradient: taken on the global arrays.
         stats = (global_stats(grads, opts.max_grad_norm, skip)
                  if opts.max_grad_norm is not None or skip else GradStats(None, None))
         # Traced hyperparameters (optax.inject_hyperparams') enter as arguments: a
@@ -92,9 +85,8 @@ def wrap_in_shard_map(opts: Options):
 
 
 def entry_cost(plan: TreePlan, given: list, leaves: list) -> Cost:
-    """Moving the leaves from their ``given`` layouts into ``plan.specs``: a leaf given
-    split but read whole (a Muon leaf whose layout cuts its blocks) has its gradient and
-    param all-gathered (``(g - 1) / g`` of each, ``g`` devices in the group)."""
+    """Moving the leaves from their ``given`` layouts into ``plan.specs``: a leaf given split
+    but read whole has its gradient and param all-gathered (``(g - 1) / g`` of each)."""
     sizes = dict(plan.axes)
     groups = [math.prod(sizes[a] for entry in spec for a in entry) for spec in given]
     return sum((Cost(2 * (g - 1) / g * (math.prod(x.shape) * x.dtype.itemsize))
@@ -103,8 +95,8 @@ def entry_cost(plan: TreePlan, given: list, leaves: list) -> Cost:
 
 
 def _array_hparams(opts: Options) -> dict[str, Any]:
-    """The hyperparameters given as arrays (traced under ``optax.inject_hyperparams``):
-    ``{group: {field: array}}``, and ``max_grad_norm`` under ``""``."""
+    """Hyperparameters given as arrays (traced under ``optax.inject_hyperparams``):
+    ``{group: {field: array}}``, ``max_grad_norm`` under ``""``."""
     out = {name: {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                   if isinstance(getattr(cfg, f.name), jax.Array)}
            for name, cfg in opts.configs.items()}

@@ -1,6 +1,4 @@
-"""What the one-device and the sharded Muon phases share: each matrix's hyperparameters,
-stacks cut into chunks under a byte budget, the kernel in a loop, and the per-leaf finish
-(the cautious update in the leaf's own layout)."""
+"""Shared by both Muon phases: matrix hyperparameters, chunks, the kernel loop, leaf finish."""
 
 from __future__ import annotations
 
@@ -18,10 +16,8 @@ from muon_optax.step.guard import scaled
 
 def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
                    pick: Callable[[np.ndarray], Any]) -> dict[str, Any]:
-    """``momentum``, ``beta2`` and ``transposed`` of the matrices ``slots`` (stack
-    indices, ``(devices, n)``; ``-1``: unowned, read as matrix 0) as :func:`muon_step`
-    takes them: scalars when uniform, else per matrix. ``pick`` takes a device's row of a
-    ``(devices, n)`` table (the identity's row 0 on one device)."""
+    """``momentum``, ``beta2``, ``transposed`` of the stack indices ``slots`` (``(devices, n)``,
+    ``-1`` read as 0), scalars when uniform; ``pick`` takes a device's row of such a table."""
     members = stack.members
     member_of = np.repeat(np.arange(len(members)), [m.batch for m in members])
     slots = np.maximum(slots, 0)
@@ -42,8 +38,8 @@ def matrix_hparams(stack: Stack, hps: dict, slots: np.ndarray,
 
 def finish_leaves(plan: TreePlan, configs: dict[str, Any], hps, directions: dict,
                   scales: dict, p_leaves, updates: list, only=None) -> None:
-    """Steps 8-9 per Muon leaf (``only`` these, else all), in its own layout, into
-    ``updates``: ``adaptive``'s ``<U, O>`` (the leaf's sum, ``scales``), the cautious update."""
+    """Steps 8-9 per Muon leaf (``only`` these, else all) into ``updates``: ``adaptive``'s
+    ``<U, O>`` (``scales``), the cautious update in the leaf's own layout."""
     for m in plan.muon if only is None else only:
         hp, o = hps[m.group], directions[m.index]
         if m.index in scales:
@@ -66,8 +62,7 @@ def chunks(size: int, matrix_bytes: int, budget: int) -> list[tuple[int, int]]:
 
 def chunk_runs(spans: list[tuple[int, int]], matrix_bytes: int,
                loop_bytes: int) -> list[list[tuple[int, int]]]:
-    """``spans`` (consecutive chunks) cut into runs of equal chunks of at most
-    ``loop_bytes`` bytes together (each chunk alone when that is under two chunks)."""
+    """``spans`` (consecutive chunks) in runs of equal chunks within ``loop_bytes``."""
     out: list[list[tuple[int, int]]] = []
     for lo, hi in spans:
         size, last = hi - lo, out[-1] if out else None
@@ -81,10 +76,9 @@ def chunk_runs(spans: list[tuple[int, int]], matrix_bytes: int,
 
 def kernel_in_loop(stack: Stack, g_all: jax.Array, per: int, hp_all: dict, state: Any,
                    read: Callable, write: Callable, count, scale: jax.Array | None = None):
-    """The rule's kernel on chunks of ``per`` of the matrices ``g_all`` (times ``scale``, if
-    not None) in a ``lax.fori_loop`` (the TPU compiler's time grows with the kernels in a
-    program; a loop is one). A chunk's state is ``read(state, first)`` and written back by
-    ``write(state, first, new, O)``. Returns the directions, the state and the ``<U, O>``."""
+    """The rule's kernel on chunks of ``per`` of ``g_all`` (times ``scale``, if not None) in a
+    ``lax.fori_loop`` (the TPU compiler's time grows with a program's kernels; a loop is one).
+    State: ``read(state, first)``, ``write(state, first, new, O)``. Returns O, state, <U, O>."""
     leaf_scaled = stack.config.leaf_scaled
 
     def body(i, carry):
@@ -104,8 +98,7 @@ def kernel_in_loop(stack: Stack, g_all: jax.Array, per: int, hp_all: dict, state
         return g_all, o_all, state, d_all
 
     n = g_all.shape[0]
-    # The directions overwrite the gradient rows they come from, unless the gradient is
-    # in another dtype than the parameters (then a buffer of their own).
+    # The directions overwrite the gradient rows, unless in another dtype (a buffer then).
     o_all = None if g_all.dtype == stack.dtype else jnp.zeros(g_all.shape, stack.dtype)
     d0 = jnp.zeros((n, 1, 1) if leaf_scaled else (), jnp.float32)
     g_all, o_all, state, d_all = jax.lax.fori_loop(0, n // per, body, (g_all, o_all, state, d0))

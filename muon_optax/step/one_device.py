@@ -1,8 +1,6 @@
-"""The Muon phase on one device: each stack (:mod:`muon_optax.params.layout`) is read as one
-``(K, R, C)`` array, runs the rule's kernel with its state and is split back into its leaves,
-which take the cautious update in their own layout. The state is a pair of buffers in the
-stack's layout (:class:`MuonBuffers`), so the kernel updates each chunk in place; kept per
-leaf, the momentum would be stacked into a copy each step (benchmarks/state_layout.py)."""
+"""The Muon phase on one device: each stack, one ``(K, R, C)`` array, through the rule's
+kernel and back into its leaves. The state is in the stack's layout, updated in place; kept
+per leaf, the momentum would be stacked into a copy each step (benchmarks/state_layout.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ from muon_optax.step.state import MuonBuffers
 
 def _chunk_step(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int, int]],
                 scale: jax.Array | None, hps, count):
-    """:func:`_run_in_loop`'s contract for one chunk ``run[0] = (lo, hi)``: the kernel on its
-    matrices of the stack's state buffers (in the stack's layout), written back once read."""
+    """:func:`_run_in_loop` for one chunk ``run[0] = (lo, hi)``, its state updated in place."""
     g, (lo, hi), st = scaled(gs[0], scale), run[0], sp.stack
     whole = (lo, hi) == (0, st.size)
     state = MuonStackState(*(b if whole else b[lo:hi] for b in bufs))
@@ -51,12 +48,11 @@ def _chunk_step(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int,
 def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_leaves,
                state_muon: tuple[MuonBuffers, ...], scale: jax.Array | None,
                updates: list) -> tuple[MuonBuffers, ...]:
-    """Every Muon leaf on one device: fills ``updates``; returns the new state buffers (one
-    pair per stack). ``scale``: ``max_grad_norm``'s factor, or None. CPU and TPU run each
-    stack in chunks of at most :func:`chunk_bytes`, the polar iteration a loop, so the TPU
-    compiler's temporaries scale with one chunk (BENCHMARKS.md, "The TPU compiler"); on TPU
-    runs of up to :data:`LOOP_CHUNKS` chunks are one kernel in a loop (fewer kernels compile
-    faster). GPUs run each stack whole, the iteration written out: faster there."""
+    """Every Muon leaf into ``updates`` (gradients times ``scale``, if not None); returns the
+    new state. CPU and TPU run chunks of :func:`chunk_bytes`, the polar iteration a loop: the
+    TPU compiler's temporaries scale with one chunk (BENCHMARKS.md, "The TPU compiler"), and on
+    TPU up to :data:`LOOP_CHUNKS` chunks are one kernel in a loop (compiles faster). GPUs run
+    each stack whole, the iteration written out: faster there."""
     def form(budget: int, unrolled: bool, loop: int = 0):
         out = list(updates)
         with polar.written_out(unrolled):
@@ -76,9 +72,8 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
 # A budget no stack reaches: every stack one chunk.
 WHOLE = 1 << 62
 
-# On TPU, up to this many chunks of a stack run as one kernel in a loop (_run_in_loop).
-# Their gradients and directions are alive together: more chunks a loop hold more memory
-# and past 4 compile no faster.
+# On TPU, up to this many chunks of a stack run as one kernel in a loop (_run_in_loop):
+# their gradients and directions are alive together, and past 4 compile no faster.
 LOOP_CHUNKS = 4
 
 
@@ -86,10 +81,8 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
                       p_leaves, state_muon: tuple[MuonBuffers, ...], scale: jax.Array | None,
                       updates: list, budget: int, loop_bytes: int = 0
                       ) -> tuple[MuonBuffers, ...]:
-    """Each stack in chunks of at most ``budget`` bytes (runs of equal ones of at most
-    ``loop_bytes`` together one loop, :func:`_run_in_loop`); a leaf takes its update once its
-    last matrix is through. Each chunk's stacking copy waits for the previous chunk's
-    updates, so one chunk's temporaries are alive at a time."""
+    """Each stack in chunks of at most ``budget`` bytes (runs within ``loop_bytes`` a loop),
+    each copy after the previous chunk's updates: one chunk's temporaries at a time."""
     bufs, prev = dict(zip(plan.state_keys, state_muon)), None
     for sp in plan.owner.stacks:
         st, pieces, duals = sp.stack, {}, {}
@@ -120,9 +113,7 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
 
 def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int, int]],
                  scale: jax.Array | None, hps, count):
-    """Equal chunks ``run`` of one stack (gradients ``gs``) as one kernel in a loop
-    (:func:`kernel_in_loop`), the state updated in place: :func:`_chunk_step`'s arithmetic
-    on each chunk. Returns each chunk's ``(O, <U, O> or None)`` and the new buffers."""
+    """Equal chunks ``run`` (gradients ``gs``) as one loop of :func:`_chunk_step`'s arithmetic."""
     st, per, lo0, n = sp.stack, run[0][1] - run[0][0], run[0][0], len(run)
     hp_all = matrix_hparams(st, hps, np.arange(lo0, lo0 + n * per)[None],
                             lambda t: np.asarray(t)[0])

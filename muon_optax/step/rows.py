@@ -1,5 +1,4 @@
-"""Rows of device-major buffers: where each matrix of a stack lies in them, and the
-static slicing the transports (:mod:`muon_optax.step.transport`) pack and unpack them with."""
+"""Device-major buffers' rows: where a stack's matrices lie, the static slicing to pack them."""
 
 from __future__ import annotations
 
@@ -23,10 +22,9 @@ def _tiled(shape: tuple[int, ...], dtype: Any, item: int) -> bool:
 
 
 def flat(x: jax.Array, item: int = 2) -> jax.Array:
-    """``x`` as a 1-D array for a transport's buffer (read back by :func:`shaped`); its
-    trailing ``item`` dimensions make one item (a matrix, or a block of one). On TPU, where
-    the two minor dimensions are whole tiles, each matrix goes tile by tile, as the TPU
-    holds it: a bitcast both ways, where row-major order is a relayout copy."""
+    """``x`` 1-D for a transport's buffer, its last ``item`` dimensions one item. On TPU, where
+    these are whole tiles, tile by tile as the TPU holds it: a bitcast both ways, where
+    row-major order is a relayout copy."""
     def tiles(x):
         (r, c), lead = x.shape[-2:], x.shape[:-2]
         y = x.reshape(lead + (r // _TILE[0], _TILE[0], c // _TILE[1], _TILE[1]))
@@ -38,8 +36,7 @@ def flat(x: jax.Array, item: int = 2) -> jax.Array:
 
 
 def shaped(x: jax.Array, shape: tuple[int, ...], item: int = 2) -> jax.Array:
-    """Inverse of :func:`flat`: ``x`` (in :func:`flat`'s order, any shape of that size) as
-    an array of ``shape``, whose trailing ``item`` dimensions make one item."""
+    """Inverse of :func:`flat`: ``x`` (any shape of that size) as an array of ``shape``."""
     shape = tuple(shape)
 
     def tiles(x):
@@ -61,8 +58,7 @@ def take_static(x: jax.Array, index: np.ndarray, axis: int = 0) -> jax.Array:
 
 
 def member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]]:
-    """Stack indices as runs ``(member, lo, hi)``: matrices ``lo .. hi-1`` of that member,
-    consecutive in both the stack and ``indices``."""
+    """Stack indices as runs ``(member, lo, hi)``, consecutive in the stack and ``indices``."""
     starts = np.cumsum([0] + [m.batch for m in stack.members])
     runs: list[tuple[int, int, int]] = []
     for i in indices.tolist():
@@ -77,23 +73,10 @@ def member_runs(stack: Stack, indices: np.ndarray) -> list[tuple[int, int, int]]
 
 def owned_parts(sp: StackPlan, members: list[jax.Array], parts: list[list[jax.Array]],
                 flatten=lambda x: x.reshape(-1)) -> None:
-    """Appends to ``parts[d]`` device ``d``'s matrices of stack ``sp`` in slot order, each
-    ``flatten``-ed: static slices of ``members`` (per member, its matrices), no gather."""
+    """Appends device ``d``'s matrices of ``sp``, ``flatten``-ed, to ``parts[d]`` (no gather)."""
     for d, row in enumerate(sp.slots):
         for member, lo, hi in member_runs(sp.stack, row[row >= 0]):
             parts[d].append(flatten(members[member][lo:hi]))
-
-
-def device_rows(parts: list[list[jax.Array]], length: int, dtype: Any) -> list[jax.Array]:
-    """Each device's parts concatenated and zero-padded to ``length`` elements."""
-    rows = []
-    for p in parts:
-        used = sum(x.shape[-1] for x in p)
-        if length > used:
-            p = p + [jnp.zeros(p[0].shape[:-1] + (length - used,) if p else (length - used,),
-                               dtype)]
-        rows.append(jnp.concatenate(p, axis=-1) if len(p) > 1 else p[0])
-    return rows
 
 
 def dynamic_slice(x: jax.Array, start: int | jax.Array, size: int, axis: int) -> jax.Array:
@@ -102,13 +85,16 @@ def dynamic_slice(x: jax.Array, start: int | jax.Array, size: int, axis: int) ->
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array, axis: int) -> jax.Array:
+def dynamic_update(x: jax.Array, update: jax.Array, start: int | jax.Array, axis: int,
+                   owned: jax.Array | None = None) -> jax.Array:
+    """``update`` into ``x`` at ``start`` where ``owned`` (None: everywhere), else ``x`` kept."""
+    if owned is not None:
+        update = jnp.where(owned, update, dynamic_slice(x, start, update.shape[axis], axis))
     return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
 
 
 def member_spans(channel: Channel, k: int, sp: StackPlan, size: int) -> list[list[tuple[int, int]]]:
-    """Where stack ``k``'s matrices lie in a device-major buffer laid out as ``channel``:
-    per member, ``(device, start)`` of each of its matrices' ``size`` elements."""
+    """Per member, ``(device, start)`` of each of stack ``k``'s matrices in a ``channel``."""
     spans = [(d, int(channel.offsets[k, d]) + j * size)
              for d, j in zip(sp.owners.tolist(), sp.slot_of().tolist())]
     ends = np.cumsum([m.batch for m in sp.stack.members]).tolist()
@@ -117,17 +103,15 @@ def member_spans(channel: Channel, k: int, sp: StackPlan, size: int) -> list[lis
 
 def member_rows(buf: jax.Array, channel: Channel, k: int, sp: StackPlan,
                 size: int) -> list[jax.Array]:
-    """Stack ``k``'s matrices from a device-major ``(N, L)`` buffer laid out as
-    ``channel``: per member, its matrices' ``size`` elements, ``(batch, size)``."""
+    """Per member, stack ``k``'s matrices ``(batch, size)`` from an ``(N, L)`` ``channel``."""
     return [jnp.stack([buf[d, at:at + size] for d, at in spans])
             for spans in member_spans(channel, k, sp, size)]
 
 
 def lane_of(dtype: Any, *sizes: Any) -> int:
-    """The unit a device-major buffer's rows are cut in: one TPU tile of ``dtype`` (8 x 128
-    of a 32-bit type, 16 x 128 of a 16-bit one) where every size and offset in ``sizes``
-    is whole tiles, else 1. As ``(N, L / unit, rows, 128)`` (:func:`lanes`) each row is
-    whole tiles: a matrix is cut out without the strided copy an ``(N, L)`` piece needs."""
+    """The unit a buffer's rows are cut in: a TPU tile of ``dtype`` (8 or 16 x 128) where all
+    ``sizes`` are whole tiles, else 1. As :func:`lanes` lays it out a matrix is cut out
+    without the strided copy an ``(N, L)`` piece needs."""
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize not in (2, 4):
         return 1
@@ -136,8 +120,7 @@ def lane_of(dtype: Any, *sizes: Any) -> int:
 
 
 def lanes(x: jax.Array, lane: int) -> jax.Array:
-    """``x`` (last axis ``L`` elements) with its last axis as ``(L / lane, rows, 128)``,
-    units of :func:`lane_of`; ``x`` itself for lane 1."""
+    """``x``'s last axis (``L``) as ``(L / lane, rows, 128)``; ``x`` itself for lane 1."""
     if lane == 1:
         return x
     return x.reshape(x.shape[:-1] + (x.shape[-1] // lane, lane // _TILE[1], _TILE[1]))
@@ -145,8 +128,8 @@ def lanes(x: jax.Array, lane: int) -> jax.Array:
 
 def span(got: list[jax.Array], bounds: list[tuple[int, int]], d: int, at: int,
          size: int, lane: int = 1) -> jax.Array:
-    """Elements ``at .. at+size-1`` of device ``d``'s row, from the gathered pieces (each
-    ``(N, width)``, or as :func:`lanes` lays them out: then so is the result)."""
+    """Elements ``at .. at+size-1`` of device ``d``'s row from the gathered pieces (each
+    ``(N, width)``, or in :func:`lanes`: then so is the result)."""
     parts = [got[p][d, (max(at, c0) - c0) // lane:(min(at + size, c1) - c0) // lane]
              for p, (c0, c1) in enumerate(bounds) if c0 < at + size and at < c1]
     return jnp.concatenate(parts) if len(parts) > 1 else parts[0]

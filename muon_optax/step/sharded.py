@@ -1,8 +1,6 @@
-"""The sharded Muon phase. Per stack, in plan order, a device loads its owned matrices'
-gradients through the transports (:mod:`muon_optax.step.transport`), runs the rule's kernel
-on them and their state (written back in place into its flat buffers) and stores the
-directions. Slots every device owns run batched, the rest under ``lax.cond``; stacks run
-one after another, so one stack's temporaries are alive at a time."""
+"""The sharded Muon phase: per stack in turn (one stack's temporaries alive at a time), a
+device loads its owned gradients through the transports, runs the kernel (state updated in
+place) and stores the directions. Slots all devices own run batched, the rest under ``cond``."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ from muon_optax.step.transport import Transports
 
 
 def _state_at(k: int, sp: StackPlan, plan: TreePlan, comm: Collectives, j: int):
-    """Where slot ``j`` of stack ``k`` starts in this device's momentum and second-moment
-    shares (a run of slots is one contiguous slice of each)."""
+    """Where slot ``j`` of stack ``k`` starts in this device's momentum and second-moment shares."""
     key = sp.state_key
     return (comm.pick(plan.owner.momentum[key].offsets[k]) + j * sp.stack.rows * sp.stack.cols,
             comm.pick(plan.owner.second[key].offsets[k]) + j * sp.second_size)
@@ -50,24 +47,21 @@ def _read_state(bufs: MuonBuffers, at, n: int, sp: StackPlan) -> MuonStackState:
 
 
 def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) -> jax.Array:
-    """Writes ``x`` into ``buf`` in place once ``ready`` is computed: every read of the old
-    values (XLA may repeat one in several fusions) feeds ``ready`` or ``x``, so XLA need
-    not copy the buffer."""
+    """``x`` into ``buf`` in place once ``ready`` is computed: every read of the old values
+    (XLA may repeat one in several fusions) feeds ``ready`` or ``x``: no copy of ``buf``."""
     x = after(x, ready).reshape(-1).astype(buf.dtype)
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
 def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order: bool):
-    """The kernel on a slot a device may not own (a ``lax.cond`` branch). Its new momentum is
-    written after the ``cond``, so it need not be ordered after ``U`` (``order``): on TPU
-    that order cost a kernel a shape; elsewhere it stays."""
+    """The kernel on a slot a device may not own (a ``lax.cond`` branch). Its momentum is
+    written after the ``cond``: ``order`` after ``U`` cost a kernel a shape on TPU (else kept)."""
     o, state, d = cfg.step(g, state, hp, count, dtype, order=order)
     return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
 
 def _skipped(g, state: MuonStackState, dtype, leaf_scaled: bool):
-    """An unowned slot: a zero direction (and ``<U, O>``), varying like computed ones,
-    the state as is."""
+    """An unowned slot: a zero direction (and ``<U, O>``), varying as computed ones are."""
     axes = tuple(sorted(varying_axes(g) | varying_axes(state.momentum)))
 
     def varying(x):
@@ -86,9 +80,8 @@ def _owned(sp: StackPlan, comm: Collectives, j):
 
 def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, hps, comm,
                count, prev, run: list[tuple[int, int]]):
-    """Equal chunks ``run`` as one kernel in a loop (:func:`kernel_in_loop`), the gradients
-    loaded before it and the directions stored after it (an exchange stack's only within
-    1.5 budgets: :func:`_runs`)."""
+    """Equal chunks ``run`` as one kernel in a loop (:func:`kernel_in_loop`); an exchange
+    stack's only within 1.5 budgets (:func:`_runs`)."""
     st, lo, per = sp.stack, run[0][0], run[0][1] - run[0][0]
     n = len(run) * per
     extra = lo + n > sp.base     # a slot some devices do not own: masked there (_runs)
@@ -116,10 +109,9 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
         return MuonBuffers(_write(bufs.momentum, m, new.momentum),
                            _write(bufs.second_moment, s, new.second_moment, o))
 
-    o_all, bufs, d_all = kernel_in_loop(st, jnp.concatenate(gs) if len(gs) > 1 else gs[0],
-                                        per, matrix_hparams(st, hps, sp.slots[:, lo:lo + n],
-                                                            comm.pick),
-                                        bufs, read, write, count)
+    g_all = jnp.concatenate(gs) if len(gs) > 1 else gs[0]
+    hp_all = matrix_hparams(st, hps, sp.slots[:, lo:lo + n], comm.pick)
+    o_all, bufs, d_all = kernel_in_loop(st, g_all, per, hp_all, bufs, read, write, count)
     # An unowned slot's direction and <U, O> are never read: its store keeps what is
     # there, and _leaf_duals reads owned slots only.
     for a, b in parts:
@@ -129,12 +121,10 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
 
 def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int, int]]]:
     """Stack ``sp``'s ``base`` slots in chunks of at most :func:`chunk_bytes`, in runs of equal
-    ones of at most ``loop_bytes`` (0: off), a run of several one loop. With loops, chunks
-    are as equal as their count allows (else of a divisor up to half as large again): no
-    smaller last chunk is a kernel of its own. A lone last matrix takes the first slot some
-    devices do not own, masked there: one kernel, not two (masked chunks compiled slower).
-    An exchange stack loops only where all its slots hold at most 1.5 budgets (a loop
-    holds them all, in and out: no more than its largest chunk may), else
+    ones within ``loop_bytes`` (0: off), a run of several one loop. With loops, chunks are as
+    equal as their count allows (or a divisor up to 1.5 times larger): no smaller last chunk
+    is a kernel of its own; a lone last matrix takes the first slot some devices do not own,
+    masked there (masked chunks compiled slower). Exchange stacks over 1.5 budgets:
     :func:`_exchange_runs`."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
     budget = chunk_bytes(plan)
@@ -154,28 +144,21 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
 
 
 def _exchange_runs(base: int, cap: int) -> list[list[tuple[int, int]]]:
-    """An exchange stack's ``base`` slots on TPU: chunks of the largest divisor of ``base``
-    up to ``cap`` (the budget's chunk), each a run of its own, no loop.
-
-    A loop needs every chunk of its run before it starts and holds every direction until
-    it ends: an exchange assembles its matrices whole, so a run of 4 MLP matrices of
-    d1280x20 held 100 MiB in, then 100 MiB out, split into the holders' rows all at once
-    (299.6 MiB of temporaries). Chunk by chunk, each is loaded, stepped and stored before
-    the next is loaded (98.3 MiB). Equal chunks keep one shape, so the TPU compiler builds
-    its kernels (the polar loop's) once: 10 at 4 in 5 chunks of 2 built fewer LLO
-    instructions than 4, 4 and 2 (1.42 M, 1.68 M; 1.70 M in loops). A stack of at most
-    1.5 budgets still loops (:func:`_runs`): holding it whole costs no more than the largest
-    chunk, and each chunk out of a loop is kernels of its own (d768x12's attention, 2
-    chunks of 3: 158 kernels unlooped, 137 looped, 136 before)."""
+    """An exchange stack's ``base`` slots on TPU: chunks of the largest divisor of ``base`` up
+    to ``cap``, each a run of its own. A loop holds its run's matrices whole, in and out (4 MLP
+    matrices of d1280x20: 299.6 MiB of temporaries, chunk by chunk 98.3 MiB). Equal chunks keep
+    one shape, the polar kernels built once (10 at 4: 1.42 M LLO instructions in 5 chunks of 2,
+    1.68 M in 4, 4, 2). A stack within 1.5 budgets still loops (:func:`_runs`): held whole it
+    costs no more than its largest chunk, and chunks out of a loop are kernels of their own
+    (d768x12's attention, 2 chunks of 3: 158 kernels unlooped, 137 looped)."""
     per = max(d for d in range(1, min(cap, base) + 1) if base % d == 0)
     return [[(lo, lo + per)] for lo in range(0, base, per)]
 
 
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale, carry,
                 bufs: MuonBuffers, hps, comm: Collectives, count, prev, loop_bytes: int):
-    """One stack's owned slots: the first ``base`` in :func:`_runs`' chunks one after
-    another, the rest one by one, each skipped (``lax.cond``) on devices that own fewer.
-    Returns the ``carry``, the state buffers, the last direction and the ``<U, O>``."""
+    """One stack's owned slots: the first ``base`` in :func:`_runs`' chunks, the rest one by
+    one under ``lax.cond``. Returns the carry, state buffers, last direction and ``<U, O>``."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     runs = _runs(sp, plan, loop_bytes)
     for run in runs:
@@ -211,7 +194,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
 
 def _leaf_duals(plan: TreePlan, comm: Collectives, duals: dict[int, jax.Array]) -> dict:
     """``adaptive``'s ``<U, O>`` summed over each leaf's matrices, whichever devices own
-    them: every device's slot values, all-gathered (a few numbers per device)."""
+    them: every device's slot values all-gathered (a few numbers each)."""
     if not duals:
         return {}
     keys = sorted(duals)   # the order they were stepped in
@@ -237,9 +220,8 @@ def muon_cost(plan: TreePlan) -> Cost:
 def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, count,
                moves: Transports, scale, g_leaves, p_leaves, state,
                updates: list) -> tuple[MuonBuffers, ...]:
-    """Muon leaves, their gradients read through ``moves`` (times ``scale``, the clip
-    factor, if not None): fills ``updates``; returns the new state buffers. On TPU runs of
-    equal chunks are loops (:func:`_base_loop`); elsewhere one kernel a chunk."""
+    """Muon leaves into ``updates`` (gradients through ``moves``, times ``scale`` if not None);
+    returns the new state buffers. On TPU runs of equal chunks are loops, else one kernel each."""
     def form(loop_bytes: int):
         bufs = dict(zip(plan.state_keys, state.muon))   # each (L,): updated in place
         prev, duals, carry, out = None, {}, moves.empty(), list(updates)

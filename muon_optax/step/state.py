@@ -1,5 +1,4 @@
-"""The optimizer's state: its structure, its shapes (:func:`state_shapes`, the one
-source), its ``PartitionSpec``s, and the check that a state fits the params it is given."""
+"""The optimizer's state: structure, shapes (:func:`state_shapes`), specs and fit checks."""
 
 from __future__ import annotations
 
@@ -18,10 +17,9 @@ from muon_optax.plan.state_layout import StateLayout, layout_error, layout_of
 
 class MuonBuffers(NamedTuple):
     """The Muon state of one state key's stacks: 1-D ``(N * L,)`` arrays split over the
-    owner axes, elements ``d L .. (d + 1) L - 1`` device ``d``'s share (the momenta, resp.
-    NorMuon second moments, of its matrices, stack by stack). On one device, one stack's
-    (:func:`buffer_shapes`). One dimension, not ``(N, L)``: a TPU tiles a ``(1, L)``
-    share, and writing a stack into it is a relayout slow to compile."""
+    owner axes, ``d L .. (d + 1) L - 1`` device ``d``'s share (its matrices' momenta, resp.
+    NorMuon second moments, stack by stack); on one device, one stack's. Not ``(N, L)``: a
+    TPU tiles a ``(1, L)`` share, and writing a stack into it is a relayout slow to compile."""
 
     momentum: jax.Array
     second_moment: jax.Array
@@ -30,15 +28,13 @@ class MuonBuffers(NamedTuple):
 class MuonAdamWState(NamedTuple):
     """State of :func:`muon_optax.muon_adamw`.
 
-    ``mu``/``nu`` have the params' structure, with ``optax.MaskedNode()`` at Muon leaves;
-    a large AdamW parameter's moments may be split over the owner axes (padded). ``muon``:
-    one :class:`MuonBuffers` per parameter (and momentum) dtype, or on one device per
-    stack (:func:`muon_optax.export_state` gives it per parameter). ``skipped`` counts the
-    steps skipped for a non-finite gradient (int32; None unless built with
-    ``skip_nonfinite=True``); ``count`` does not count them. ``layout``: the
-    :class:`StateLayout` the state was made for (a node without leaves, so part of the
-    structure): ``update`` refuses a state made for another.
-    """
+    ``mu``/``nu`` have the params' structure, ``optax.MaskedNode()`` at Muon leaves; a large
+    AdamW parameter's moments may be split over the owner axes (padded). ``muon``: one
+    :class:`MuonBuffers` per parameter (and momentum) dtype, on one device per stack
+    (:func:`muon_optax.export_state` gives it per parameter). ``skipped``: steps skipped for
+    a non-finite gradient (int32; None unless ``skip_nonfinite=True``), not in ``count``.
+    ``layout``: the :class:`StateLayout` the state was made for (a node without leaves, part
+    of the structure): ``update`` refuses a state made for another."""
 
     count: jax.Array                       # int32 steps taken
     mu: Any
@@ -48,13 +44,12 @@ class MuonAdamWState(NamedTuple):
     layout: StateLayout | None = None
 
 
-def check_state(plan: TreePlan, state: Any, want: Any, name: str,
+def check_state(plan: TreePlan, state: Any, want: MuonAdamWState, name: str,
                  dtypes: Sequence[Any] = ()) -> None:
     """A state made for these params (``dtypes``: theirs) and layout, or a clear error."""
-    needed = want.layout if isinstance(want, MuonAdamWState) else None
-    other_layout = isinstance(state, MuonAdamWState) and state.layout != needed
+    other_layout = isinstance(state, MuonAdamWState) and state.layout != want.layout
     if other_layout:   # the leaves first: a shape or dtype says more than a layout
-        want = want._replace(layout=state.layout)
+        needed, want = want.layout, want._replace(layout=state.layout)
     got_def, want_def = jax.tree.structure(state), jax.tree.structure(want)
     if got_def != want_def:
         raise ValueError(f"{name}: the state was made for other params or another optimizer "
@@ -79,35 +74,29 @@ def check_state(plan: TreePlan, state: Any, want: Any, name: str,
         raise layout_error(name, state.layout, needed)
 
 
-def state_shapes(plan: TreePlan, shapes: list[tuple], dtypes: list, per_device: bool,
+def state_shapes(plan: TreePlan, leaves: Sequence[Any], per_device: bool,
                  skipped: bool = False) -> Any:
-    """The state as shape structs: one device's (``per_device``) or the global arrays.
-    ``shapes``: the leaves' shapes as the caller sees them (a device's blocks, or global);
-    ``skipped``: the state counts skipped steps."""
+    """The state as shape structs, one device's (``per_device``) or global, for ``leaves``
+    (a device's blocks, or global; arrays or structs); ``skipped``: it counts skipped steps."""
     mu, nu = [optax.MaskedNode()] * len(plan.paths), [optax.MaskedNode()] * len(plan.paths)
     for a in plan.adamw:
-        shape = shapes[a.index] if a.local else a.padded
+        shape = tuple(leaves[a.index].shape) if a.local else a.padded
         if not a.local and per_device and a.axis is not None:
             shape = shape[:a.axis] + (shape[a.axis] // plan.num_devices,) + shape[a.axis + 1:]
-        mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or dtypes[a.index])
-        nu[a.index] = jax.ShapeDtypeStruct(shape, dtypes[a.index])
-    muon = tuple(MuonBuffers(*(jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(
-        buffer_shapes(plan, key, per_device), (key[1], key[0])))) for key in plan.state_keys)
+        mu[a.index] = jax.ShapeDtypeStruct(shape, a.mu_dtype or leaves[a.index].dtype)
+        nu[a.index] = jax.ShapeDtypeStruct(shape, leaves[a.index].dtype)
+    muon, rows = [], 1 if per_device else plan.num_devices
+    for key in plan.state_keys:   # its momentum's and second moment's shapes
+        if plan.per_stack_state:   # one device: the stack's own, chunks need no relayout
+            (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
+            st = sp.stack
+            shapes = [(st.size, st.rows, st.cols), (st.size,) + sp.second_shape]
+        else:   # 1-D (MuonBuffers)
+            shapes = [(rows * c[key].length,) for c in (plan.owner.momentum, plan.owner.second)]
+        muon.append(MuonBuffers(*map(jax.ShapeDtypeStruct, shapes, (key[1], key[0]))))
     count = jax.ShapeDtypeStruct((), jnp.int32)
     return MuonAdamWState(count, plan.treedef.unflatten(mu), plan.treedef.unflatten(nu),
-                          muon, count if skipped else None, layout_of(plan))
-
-
-def buffer_shapes(plan: TreePlan, key: Any, per_device: bool) -> tuple[tuple, tuple]:
-    """One state key's momentum and second-moment buffer shapes: on one device
-    (``plan.per_stack_state``) the stack's own, ``(K, R, C)`` and ``(K, *second_shape)``,
-    so the kernel reads and writes chunks without a relayout; else 1-D (:class:`MuonBuffers`)."""
-    if plan.per_stack_state:
-        (sp,) = [sp for sp in plan.owner.stacks if sp.state_key == key]
-        st = sp.stack
-        return (st.size, st.rows, st.cols), (st.size,) + sp.second_shape
-    rows = 1 if per_device else plan.num_devices
-    return (rows * plan.owner.momentum[key].length,), (rows * plan.owner.second[key].length,)
+                          tuple(muon), count if skipped else None, layout_of(plan))
 
 
 def state_partition_specs(plan: TreePlan, axes: tuple[str, ...],

@@ -1,9 +1,6 @@
-"""Moving Muon matrices to their owners and their directions back (the transports of
-:mod:`muon_optax.plan.routes`): each stack reads its owned matrices through a *source* and
-writes their directions into a *sink* (values in, values out: neither keeps anything while
-a step is traced). Gather: a flat buffer reduce-scattered, directions all-gathered;
-exchange (:mod:`~muon_optax.step.exchange`): all-to-alls both ways; local: in place.
-"""
+"""The transports of :mod:`muon_optax.plan.routes`: a stack's owned matrices come from a
+*source*, its directions go to a *sink* (values in, values out). Gather: reduce-scatter and
+all-gather; exchange (:mod:`~muon_optax.step.exchange`): all-to-alls; local: in place."""
 
 from __future__ import annotations
 
@@ -44,19 +41,15 @@ LANES_MAX_DEVICES = 32
 
 
 def scatter_piece(owner: OwnerPlan) -> int:
-    """Elements of each device's row in one piece of the gradients' reduce-scatter and the
-    directions' all-gather on TPU: one largest Muon matrix, but at most ``PIECE_MATRICES``
-    of them across all the rows of a piece."""
+    """Elements of a device's row in one TPU piece of the gradients' reduce-scatter and the
+    directions' all-gather: one largest Muon matrix, at most ``PIECE_MATRICES`` a piece."""
     largest = max([1] + [sp.stack.rows * sp.stack.cols for sp in owner.stacks])
-    devices = max(1, owner.num_devices)
-    return max(1, largest * min(devices, PIECE_MATRICES) // devices)
+    return max(1, largest * min(owner.num_devices, PIECE_MATRICES) // owner.num_devices)
 
 
 class GatherSource:
-    """Owned matrices of the ``"gather"`` stacks of one dtype. Under ZeRO-2 every device
-    packs its gradients into a flat buffer, device ``d``'s matrices in ``d``'s share, and
-    one reduce-scatter (mean) leaves each device the mean of its own; with reduced gradients
-    (``mesh=``) a device stacks its own from the whole leaves."""
+    """Owned matrices of the ``"gather"`` stacks of one dtype: under ZeRO-2 reduce-scattered
+    (mean) from a flat buffer; with ``mesh=``'s reduced gradients, from the whole leaves."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
                  comm: Collectives):
@@ -100,7 +93,7 @@ class GatherSource:
 
 class GatherSink:
     """Directions of the ``"gather"`` stacks: this device's share, all-gathered (on a
-    one-device axis too, which marks the result replicated)."""
+    one-device axis too: it marks the result replicated)."""
 
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm = owner, comm
@@ -118,10 +111,7 @@ class GatherSink:
               owned: jax.Array | None) -> jax.Array:
         st = self.owner.stacks[k].stack
         start = self.comm.pick(self.channel.offsets[k]) + j0 * st.rows * st.cols
-        x = flat(o)
-        if owned is not None:  # a slot this device may not own: keep what is there
-            x = jnp.where(owned, x, dynamic_slice(acc, start, x.size, 0))
-        return dynamic_update(acc, x, start, 0)
+        return dynamic_update(acc, flat(o), start, 0, owned)
 
     def finish(self, acc: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         del local_shapes   # every device gets the whole leaves
@@ -142,9 +132,8 @@ class GatherSink:
         return out
 
     def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
-        """The share gathered in ``(N, piece)`` column pieces (on TPU, cutting a gathered 1-D
-        buffer into rows copies all of it), each after the previous one, so not all directions
-        are alive at once; in lanes where the cuts are whole tiles: a slice, not a copy."""
+        """The share gathered in ``(N, piece)`` column pieces one after another (on TPU rows cut
+        from a gathered 1-D buffer are a copy), in lanes where whole tiles: slices, not copies."""
         length, piece = self.channel.length, max(1, piece)
         bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
         stacks = [self.owner.stacks[k].stack for k in self.channel.stacks]
@@ -208,9 +197,8 @@ class LocalSink:
 
 
 class Transports:
-    """The sources and sinks of every stack, by transport and dtype. The Muon loop threads
-    a ``carry`` (first :meth:`empty`) holding per key the source's ``held`` (a stack's
-    stacked copy, the pieces received) and the sink's ``acc`` (directions stored so far)."""
+    """Every stack's source and sink, by transport and dtype. The Muon loop threads a ``carry``
+    (:meth:`empty`): per key the source's ``held`` and the sink's ``acc`` (directions so far)."""
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
@@ -242,30 +230,24 @@ class Transports:
 
     def load(self, carry: dict, k: int, j0: int, n: int, prev: jax.Array | None,
              scale: jax.Array | None) -> tuple[jax.Array, dict]:
-        """Slots ``j0 .. j0+n`` of stack ``k``, ``(n, R, C)``, times ``scale`` (or None), and
-        the new ``carry``. A source that copies the leaves waits for ``prev`` (the previous
-        stack's direction), so that one stack's copy is alive at a time."""
+        """Slots ``j0 .. j0+n`` of stack ``k`` times ``scale`` (or None), and the new ``carry``. A
+        copy of the leaves waits for ``prev`` (the last direction): one stack's copy at a time."""
         key = self._key(k)
         held, acc = carry[key]
         if key[0] == EXCHANGE and acc.stored is not None:
-            # On TPU an exchange load waits for the last store, so that no direction
-            # waits for the end of the Muon loop to be stored.
+            # On TPU: no direction waits for the end of the Muon loop to be stored.
             prev = acc.stored
         x, held = self.sources[key].load(held, k, j0, n, prev)
         return scaled(x, scale), {**carry, key: (held, acc)}
 
     def reduced_buffers(self) -> list[jax.Array]:
-        """The reduce-scattered gradient shares (ZeRO-2): each Muon element in one share."""
-        if any(sp.transport != GATHER for sp in self.owner.stacks):
-            raise NotImplementedError("only the gather transport reduces per-device "
-                                      "gradients (ZeRO-2)")
+        """ZeRO-2's reduce-scattered gradient shares (gather stacks only: every Muon element)."""
         return [src.buffer for src in self.sources.values()
                 if isinstance(src, GatherSource) and src.buffer is not None]
 
     def store(self, carry: dict, k: int, j0: int, o: jax.Array,
               owned: jax.Array | None = None) -> dict:
-        """``carry`` with the directions ``o`` of slots ``j0 ..`` of stack ``k``; ``owned``: a
-        traced bool where this device may not own them (if false nothing is written)."""
+        """``carry`` with directions ``o`` of slots ``j0 ..`` of stack ``k``, where ``owned``."""
         key = self._key(k)
         held, acc = carry[key]
         return {**carry, key: (held, self.sinks[key].store(acc, k, j0, o, owned))}

@@ -12,32 +12,33 @@ from muon_optax.params.variables import unbox, unboxed_structure
 from muon_optax.state.init import init_of
 
 
-def describe(tx: optax.GradientTransformation, params: Any, *,
-             num_devices: int | None = None, file: TextIO | None = sys.stdout
-             ) -> list[dict[str, Any]]:
+def describe(tx: optax.GradientTransformation, params: Any, *, num_devices: int | None = None,
+             file: TextIO | None = sys.stdout) -> list[dict[str, Any]]:
     """Each leaf's path, shape, group, how Muon sees it and which stack it joins.
 
-    Prints a table to ``file`` (``None``: nothing) and returns its rows, a dict per leaf:
-    ``path``, ``shape``, ``group``, ``why`` (the :func:`muon_optax.label_by_path` rule that
-    placed it, or ``"param_labels"``), ``kind`` (``"adamw"``/``"muon"``); for AdamW leaves
-    ``split``; for Muon leaves ``matrices`` (a block counts as one), ``matrix`` (a block's
-    ``(out, in)``), ``blocks`` (``(output_blocks, reduction_blocks)``), ``stored`` (the
-    stack's ``(R, C)``, ``"transposed"`` if stored as the leaf's transpose), ``stack`` (its
-    index), ``transport`` and ``owners`` (devices owning its matrices). ``num_devices``:
-    plan for that many devices along the owner axis. Check a labelling before training
-    (no bias or norm scale of a scanned Flax model in Muon)::
-
-        muon_optax.describe(tx, params)
+    Prints a table to ``file`` (``None``: nothing) and returns its rows, a dict per leaf: ``path``,
+    ``shape``, ``group``, ``why`` (the :func:`muon_optax.label_by_path` rule that placed it, or
+    ``"param_labels"``), ``kind`` (``"adamw"``/``"muon"``); for AdamW leaves ``split``; for Muon
+    leaves ``matrices`` (a block counts as one), ``matrix`` (a block's ``(out, in)``), ``blocks``
+    (``(output_blocks, reduction_blocks)``), ``stored`` (the stack's ``(R, C)``, ``"transposed"`` if
+    stored as the leaf's transpose), ``stack`` (its index), ``transport`` and ``owners`` (devices
+    owning its matrices). ``num_devices``: plan for that many devices along the owner axis. Check a
+    labelling before training (no bias or norm scale of a scanned Flax model in Muon).
     """
     init = init_of(tx, "describe")
     plan = init.plan(params, num_devices)
     leaves = plan.treedef.flatten_up_to(params)
-    rows: list[dict[str, Any]] = [dict(path=p, shape=tuple(x.shape), why=w) for p, x, w in
-                                  zip(plan.paths, leaves, _reasons(init.options, params))]
+    # why its labels put each leaf in its group, where the labeller (or its object) says
+    labels = init.options.param_labels
+    reasons = getattr(labels, "reasons", None) or getattr(
+        getattr(labels, "__self__", None), "reasons", None)
+    whys = (["param_labels"] * unboxed_structure(params).num_leaves if reasons is None
+            else unboxed_structure(params).flatten_up_to(unbox(reasons(params))))
+    rows: list[dict[str, Any]] = [dict(path=p, shape=tuple(x.shape), why=w)
+                                  for p, x, w in zip(plan.paths, leaves, whys)]
     for a in plan.adamw:
-        rows[a.index].update(group=a.group, kind="adamw",
-                             split="as laid out" if a.local else (
-                                 "replicated" if a.axis is None else f"axis {a.axis}"))
+        split = "as laid out" if a.local else "replicated" if a.axis is None else f"axis {a.axis}"
+        rows[a.index].update(group=a.group, kind="adamw", split=split)
     for k, sp in enumerate(plan.owner.stacks):
         ends = itertools.accumulate(m.batch for m in sp.stack.members)
         for m, end in zip(sp.stack.members, ends):
@@ -52,16 +53,6 @@ def describe(tx: optax.GradientTransformation, params: Any, *,
     return rows
 
 
-def _reasons(opts: Any, params: Any) -> list[str]:
-    """Per leaf, why its labels put it in its group (as far as the labeller says)."""
-    labels = opts.param_labels
-    reasons = getattr(labels, "reasons", None) or getattr(
-        getattr(labels, "__self__", None), "reasons", None)
-    if reasons is None:
-        return ["param_labels"] * unboxed_structure(params).num_leaves
-    return unboxed_structure(params).flatten_up_to(unbox(reasons(params)))
-
-
 def _table(rows: list[dict[str, Any]], n: int) -> str:
     header = ["path", "shape", "group", "why", "Muon: matrices (out x in)", "stack"] + (
         [f"owners of {n} devices"] if n > 1 else [])
@@ -69,9 +60,8 @@ def _table(rows: list[dict[str, Any]], n: int) -> str:
     for r in rows:
         if r["kind"] == "muon":
             rows_, cols_, t = r["stored"]
-            seen = f"{r['matrices']} x {r['matrix'][0]}x{r['matrix'][1]}"
-            if r["blocks"] != (1, 1):
-                seen += f" ({r['blocks'][0]}x{r['blocks'][1]} blocks)"
+            blocks = "" if r["blocks"] == (1, 1) else f" ({r['blocks'][0]}x{r['blocks'][1]} blocks)"
+            seen = f"{r['matrices']} x {r['matrix'][0]}x{r['matrix'][1]}{blocks}"
             stack = f"#{r['stack']} ({rows_}x{cols_}{', ' + t if t else ''})"
             owners = f"{_ranges(r['owners'])} [{r['transport']}]"   # shown where n > 1
         else:
@@ -89,4 +79,3 @@ def _ranges(devices: list[int]) -> str:
     runs = [[d for _, d in run]   # d - i is the same along a run of consecutive devices
             for _, run in itertools.groupby(enumerate(devices), lambda x: x[1] - x[0])]
     return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
-

@@ -1,9 +1,5 @@
 """What the optimizer costs per device, from shapes alone (no devices needed), like
-DeepSpeed's memory estimators. Everything comes from the static plan, so the numbers are
-the compiled program's: the state bytes exactly (every device allocates the longest
-share), the Muon FLOPs from the owners' cost model, the bytes sent (ring algorithms), and
-the program's FLOPs as the sum of what each piece of the step reports (its ``cost``).
-"""
+DeepSpeed's memory estimators; from the static plan, so they are the compiled program's."""
 
 from __future__ import annotations
 
@@ -15,9 +11,8 @@ import numpy as np
 import optax
 
 from muon_optax.params.labels import path_str
-from muon_optax.params.variables import unbox, unboxed_structure
-from muon_optax.plan.plan import TreePlan, executed_flops, make_tree_plan, matrix_flops
-from muon_optax.plan.specs import check_spec, normalize_spec
+from muon_optax.plan.plan import executed_flops, make_tree_plan, matrix_flops
+from muon_optax.plan.specs import check_spec, given_specs
 from muon_optax.state.init import init_of
 from muon_optax.step.engine import adamw_cost
 from muon_optax.step.guard import stats_cost
@@ -25,35 +20,6 @@ from muon_optax.step.jit_mode import entry_cost
 from muon_optax.step.sharded import muon_cost
 from muon_optax.step.state import state_shapes
 from muon_optax.step.transport import Transports
-
-
-def _plan(tx: Any, params: Any, num_devices: int, param_specs: Any) -> tuple[TreePlan, Any, list]:
-    """The plan, the options, and each leaf's layout as given (``plan.specs`` holds the
-    one the engine reads it in: whole for a Muon leaf whose layout cuts its blocks)."""
-    opts = init_of(tx, "estimate").options
-    if opts.axes is None:
-        raise ValueError("estimate: this transformation was built without axis_name, so it "
-                         "runs on one device; build it with axis_name='data' (and mesh= for "
-                         "plain jit) to estimate a sharded run.")
-    if len(opts.axes) != 1:
-        raise ValueError(f"estimate: with several owner axes {opts.axes}, estimate one axis "
-                         "of num_devices devices (build the transformation with one axis).")
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"estimate: num_devices must be a positive int, got {num_devices!r}.")
-    axes = ((opts.axes[0], num_devices),)
-    specs = None
-    if param_specs is not None:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-        given = param_specs(params) if callable(param_specs) else param_specs
-        given = ([given] * treedef.num_leaves
-                 if isinstance(given, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding))
-                 else unboxed_structure(params).flatten_up_to(unbox(given)))
-        specs = [normalize_spec(s, len(x.shape), path_str(p)) for (p, x), s in zip(flat, given)]
-        for (p, x), s in zip(flat, specs):
-            check_spec(s, x.shape, dict(axes), path_str(p))
-    plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
-                          axes, specs, opts.threshold, "estimate")
-    return plan, opts, specs or [((),) * len(s) for s in plan.specs]
 
 
 def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
@@ -69,25 +35,39 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
         default: whole on every device (ZeRO-2).
 
     Returns:
-      A dict of per-device lists (``num_devices`` numbers each): ``"state_bytes"`` (the
-      state each device allocates), ``"muon_flops"`` (its Muon FLOPs per step, the polar
-      iteration in the direct form accelerators run in bfloat16: the owners' balancing
-      cost) and ``"collective_bytes"`` (bytes it sends per step, ring algorithms). Also
-      ``"program_flops"``: one device's compiled program on this backend, each
-      conditional Muon slot counted as XLA's cost analysis does, plus the AdamW
-      arithmetic; and ``"stacks"``: each stack's shape, matrices, transport, slots per
-      device and members (path, matrices, ``(output_blocks, reduction_blocks)``; a block
-      is one matrix).
+      A dict of per-device lists (``num_devices`` numbers each): ``"state_bytes"`` (the state each
+      device allocates, the longest share), ``"muon_flops"`` (its Muon FLOPs per step, the polar
+      iteration in the direct form accelerators run in bfloat16: the owners' balancing cost) and
+      ``"collective_bytes"`` (bytes it sends per step, ring algorithms). Also ``"program_flops"``:
+      one device's compiled program on this backend (the sum of each piece's ``cost``), each
+      conditional Muon slot counted as XLA's cost analysis does, plus the AdamW arithmetic; and
+      ``"stacks"``: each stack's shape, matrices, transport, slots per device, FLOPs per matrix and
+      members (path, matrices, blocks).
     """
-    plan, opts, given = _plan(tx, params, num_devices, param_specs)
+    opts = init_of(tx, "estimate").options
+    if opts.axes is None:
+        raise ValueError("estimate: this transformation was built without axis_name (one device); "
+                         "build it with axis_name='data' (and mesh= for plain jit) to estimate.")
+    if len(opts.axes) != 1:
+        raise ValueError(f"estimate: with several owner axes {opts.axes}, estimate one axis "
+                         "of num_devices devices (build the transformation with one axis).")
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"estimate: num_devices must be a positive int, got {num_devices!r}.")
+    axes = ((opts.axes[0], num_devices),)
+    specs = None if param_specs is None else given_specs(param_specs, params, "estimate")
+    for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs or ()):
+        check_spec(s, x.shape, dict(axes), path_str(p))
+    plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
+                          axes, specs, opts.threshold, "estimate")
+    # each leaf's layout as given (plan.specs: as the engine reads it, whole if it cuts blocks)
+    given = specs or [((),) * len(s) for s in plan.specs]
     n, leaves, reduced = num_devices, jax.tree.leaves(params), opts.mesh is not None
-    sizes, dtypes = dict(plan.axes), [x.dtype for x in leaves]
-    local_shapes = [tuple(d // math.prod(sizes[a] for a in e) for d, e in zip(x.shape, spec))
-                    for x, spec in zip(leaves, plan.specs)]
-    state = state_shapes(plan, local_shapes, dtypes, per_device=True, skipped=opts.skip_nonfinite)
+    local = [jax.ShapeDtypeStruct(tuple(d // n if e else d for d, e in zip(x.shape, s)), x.dtype)
+             for x, s in zip(leaves, plan.specs)]   # a device's blocks (one owner axis)
+    state = state_shapes(plan, local, per_device=True, skipped=opts.skip_nonfinite)
     state_bytes = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                       for s in jax.tree.leaves(state))
-    cost = (adamw_cost(plan, local_shapes, dtypes, reduced) + Transports.cost(plan.owner, reduced)
+    cost = (adamw_cost(plan, local, reduced) + Transports.cost(plan.owner, reduced)
             + muon_cost(plan) + entry_cost(plan, given, leaves)
             + stats_cost(plan, given, reduced, opts.max_grad_norm is not None
                          or opts.skip_nonfinite))
@@ -103,4 +83,3 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
                                  for m in sp.stack.members])
                    for sp in plan.owner.stacks],
     }
-
