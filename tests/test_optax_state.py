@@ -16,6 +16,7 @@ STATIC = ("ns_steps", "eps")   # contrib_muon's static arguments, for inject_hyp
 
 MOVES = {
     "defaults": (lambda f: f(learning_rate=0.02)),
+    "one_step": (lambda f: f(learning_rate=0.02, ns_steps=1)),
     "table_decay_mask_schedule": (
         lambda f: f(**CASES["polar_express_table_decay_mask_schedule"])),
     "no_nesterov_aol_bf16_momentum": (lambda f: f(**CASES["no_nesterov_aol_bf16_momentum"])),
