@@ -9,10 +9,11 @@ README). Each folder imports only from itself and those above it (``tests/test_p
     tools/   describe and estimate
     api/     the public constructors
 
-One update: ``step/engine.py:local_update`` steps the AdamW leaves where they lie, then Muon:
+One update: ``step/engine.py:local_update`` steps the AdamW leaves where they lie (their group
+config's ``step``: ``rule/adamw.py``, or optax's Adam in ``rule/contrib.py``), then Muon:
 ``step/one_device.py`` on one device, else ``step/sharded.py``, which loads each stack's owned
-matrices through ``step/transport.py`` (``step/exchange.py`` for split ones), runs
-``rule/muon.py``'s kernel and stores the directions back; ``step/matrices.py`` finishes each
+matrices through ``step/transport.py`` (``step/exchange.py`` for split ones), runs the group's
+kernel (``rule/muon.py``) and stores the directions back; ``step/matrices.py`` finishes each
 leaf (the cautious update). Under ``mesh=``, ``step/jit_mode.py`` wraps it in a shard_map.
 """
 

@@ -300,11 +300,11 @@ def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch, n: int = 4,
     import muon_optax
     from benchmarks import common, tpu_compile
     from muon_optax.rule import platform
-    from muon_optax.step import sharded
+    from muon_optax.step import matrices
 
     for site in forced:
         monkeypatch.setitem(platform.FORCED, site, "tpu")
-    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: chunk * 4 * 128 * 128)
+    monkeypatch.setattr(matrices, "chunk_bytes", lambda plan: chunk * 4 * 128 * 128)
     params = common.nanochat_params(128, layers, 256)
     grads = common.random_grads(params)
     fn, (p_abs, s_abs, g_abs), tx, _ = tpu_compile.build(contender, params, jax.devices()[:n])
@@ -390,14 +390,14 @@ def test_tpu_form_cuts_a_stack_into_equal_chunks_a_little_over_the_budget():
     any other stack."""
     from types import SimpleNamespace
 
-    from muon_optax.step import sharded
+    from muon_optax.step import matrices, sharded
 
     def runs(base, cap, loop, transport="gather"):
         sp = SimpleNamespace(base=base, num_slots=base, transport=transport,
                              stack=SimpleNamespace(rows=8, cols=8))
         matrix = 4 * 8 * 8
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(sharded, "chunk_bytes", lambda plan: cap * matrix)
+            m.setattr(matrices, "chunk_bytes", lambda plan: cap * matrix)
             return sharded._runs(sp, None, 4 * cap * matrix if loop else 0)
 
     assert runs(6, 4, True) == [[(0, 3), (3, 6)]]
@@ -425,19 +425,19 @@ def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, 
     matrices a device in chunks of 2, no loop (an exchange stack's chunks are never over
     the budget: ``sharded._exchange_runs``), the rest under ``cond``s. The same steps as
     the CPU form, to rounding (the kernel inside a ``cond`` fuses otherwise)."""
-    from muon_optax.step import sharded
+    from muon_optax.step import matrices
 
     sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop")
     with monkeypatch.context() as m:
         want, cpu_hlo = _two_steps(contender, (), m, layers=layers, chunk=chunk)
-    loops, kernel_in_loop = [], sharded.kernel_in_loop
+    loops, kernel_in_loop = [], matrices.kernel_in_loop
 
     def spy(stack, g_all, per, *args):
         loops.append((stack.rows, stack.cols, g_all.shape[0], per))
         return kernel_in_loop(stack, g_all, per, *args)
 
     with monkeypatch.context() as m:
-        m.setattr(sharded, "kernel_in_loop", spy)
+        m.setattr(matrices, "kernel_in_loop", spy)
         got, tpu_hlo = _two_steps(contender, sites, m, layers=layers, chunk=chunk)
     assert all(loop in loops for loop in want_loops) and bool(loops) == bool(want_loops), loops
     conds = [h.count("stablehlo.case") + h.count("stablehlo.if") for h in (cpu_hlo, tpu_hlo)]

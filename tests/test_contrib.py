@@ -10,6 +10,7 @@ from optax.contrib import MuonDimensionNumbers as MDN
 import muon_optax
 from muon_optax.api.contrib import contrib_coefficients
 from muon_optax.rule.coefficients import DION_COEFFS, POLAR_EXPRESS_COEFFS, QUINTIC_COEFFS
+from muon_optax.rule.contrib import OptaxAdamConfig
 
 SHAPES = {"blocks": {"fc": (16, 48), "proj": (48, 16), "attn": {"q": (32, 32), "k": (32, 32)},
                      "scale": (16,)},
@@ -204,3 +205,34 @@ def test_sharded_contrib_muon_matches_optax(mode):
         change = np.asarray(g, np.float64) - np.asarray(a, np.float64)
         rel = np.linalg.norm(change - w) / np.linalg.norm(w)
         assert rel <= TOL, f"{jax.tree_util.keystr(path)}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("eps_root", [0.0, 1e-6])
+@pytest.mark.parametrize("mu_dtype", [None, jnp.bfloat16])
+def test_adam_leaf_update_matches_optax_adamw(nesterov, eps_root, mu_dtype):
+    lr = optax.linear_schedule(0.01, 0.002, 10)
+    kw = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=eps_root, weight_decay=0.1,
+              mu_dtype=mu_dtype, nesterov=nesterov)
+    tx = optax.adamw(lr, **kw)
+    cfg = OptaxAdamConfig.make(lr, (0.9, 0.999), 1e-8, 0.1, eps_root=eps_root,
+                               nesterov=nesterov, mu_dtype=mu_dtype)
+    keys = jax.random.split(jax.random.PRNGKey(0), 11)
+    p = jax.random.normal(keys[0], (6, 5))
+    state = tx.init(p)
+    m = jnp.zeros_like(p, dtype=mu_dtype or p.dtype)
+    v = jnp.zeros_like(p)
+    for step in range(10):
+        g = jax.random.normal(keys[step + 1], p.shape)
+        want, state = tx.update(g, state, p)
+        hp = cfg.at(jnp.int32(step))
+        got, m, v = cfg.step(g, p, m, v, jnp.int32(step + 1), hp)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
+        np.testing.assert_array_equal(m, state[0].mu)
+        np.testing.assert_allclose(v, state[0].nu, rtol=1e-6)
+        p = p + got
+
+
+def test_eps_root_is_left_out_when_zero():
+    assert "eps_root" not in OptaxAdamConfig.make(0.1, (0.9, 0.99), 1e-8, 0.0).at(0)
+    assert "eps_root" in OptaxAdamConfig.make(0.1, (0.9, 0.99), 1e-8, 0.0, eps_root=1e-9).at(0)

@@ -235,11 +235,11 @@ def test_mesh_nnx_optimizer_with_tiled_buffers_and_tpu_chunks(monkeypatch):
     (128, 128) matrix: every TPU form forced on XLA:CPU (pieces, barriers, buffers in tile
     order, an exchange stack's chunks one by one, no loop: ``sharded._exchange_runs``)
     trains bit for bit as the CPU form."""
-    from muon_optax.step import rows, sharded
+    from muon_optax.step import matrices, rows, sharded
 
     monkeypatch.setattr(g, "D", 128)
     monkeypatch.setattr(g, "LAYERS", 4)
-    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 128 * 128)
+    monkeypatch.setattr(matrices, "chunk_bytes", lambda plan: 4 * 128 * 128)
     tiled = []
     real_tiled = rows._tiled
     monkeypatch.setattr(rows, "_tiled", lambda *a: tiled.append(real_tiled(*a)) or tiled[-1])
@@ -262,11 +262,11 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     ``sharded._exchange_runs``); training follows the CPU form to rounding (XLA:CPU
     fuses the kernel inside a ``cond`` otherwise; three steps carry it to 3e-7). The
     unowned slots' state is checked in tests/test_collectives.py."""
-    from muon_optax.step import sharded
+    from muon_optax.step import matrices, sharded
 
     monkeypatch.setattr(g, "D", 128)
     monkeypatch.setattr(g, "LAYERS", 5)
-    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 128 * 128)
+    monkeypatch.setattr(matrices, "chunk_bytes", lambda plan: 4 * 128 * 128)
     masked, real_owned = [], sharded._owned
     monkeypatch.setattr(sharded, "_owned",
                         lambda sp, comm, j: masked.append(j) or real_owned(sp, comm, j))
@@ -287,13 +287,13 @@ def test_mesh_nnx_optimizer_with_equal_chunks_under_the_budget(monkeypatch):
     (c_fc, and c_proj stored wide) one by one, none in a loop (an exchange stack:
     ``sharded._exchange_runs``). Training follows the CPU form to rounding. (A slot under
     a ``cond``, which 2 devices no longer have: tests/test_collectives.py.)"""
-    from muon_optax.step import sharded
+    from muon_optax.step import matrices, sharded
 
     monkeypatch.setattr(g, "D", 128)
     monkeypatch.setattr(g, "LAYERS", 5)
-    monkeypatch.setattr(sharded, "chunk_bytes", lambda plan: 4 * 4 * 128 * 128)
-    loops, real_loop = [], sharded.kernel_in_loop
-    monkeypatch.setattr(sharded, "kernel_in_loop", lambda st, g_all, per, *a: loops.append(
+    monkeypatch.setattr(matrices, "chunk_bytes", lambda plan: 4 * 4 * 128 * 128)
+    loops, real_loop = [], matrices.kernel_in_loop
+    monkeypatch.setattr(matrices, "kernel_in_loop", lambda st, g_all, per, *a: loops.append(
         (st.rows, st.cols, g_all.shape[0], per)) or real_loop(st, g_all, per, *a))
     steps, real_step = [], sharded._stack_step
     monkeypatch.setattr(sharded, "_stack_step", lambda k, sp, plan, *a: steps.append(

@@ -2,11 +2,13 @@
 exported) and as written (layers importing one way, small modules)."""
 
 import ast
+import dataclasses
 import tomllib
 from importlib import resources
 from pathlib import Path
 
 import muon_optax
+from muon_optax.rule import hparams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,3 +81,24 @@ def test_no_module_is_over_the_line_budget():
             if (n := len((ROOT / "muon_optax" / rel).read_text().splitlines()))
             > MAX_MODULE_LINES}
     assert not long, long
+
+
+# Switches that exist only to reproduce optax.contrib.muon and optax.adamw (rule/contrib.py).
+OPTAX_ONLY = {"optax_ema", "eps_root", "adam", "adaptive", "consistent_rms", "complement",
+              "bias_correction", "scale_decay", "momentum_complement"}
+
+
+def test_nanochats_kernels_take_none_of_optaxs_switches():
+    """rule/adamw.py and rule/muon.py are nanochat's rule alone; optax's emulation lives in
+    rule/contrib.py (its configs subclass or mirror nanochat's, its kernels beside)."""
+    found = []
+    for rel, tree in _modules():
+        if str(rel) in ("rule/adamw.py", "rule/muon.py"):
+            words = {getattr(node, a) for node in ast.walk(tree)
+                     for a in ("id", "arg", "attr", "value") if isinstance(
+                         getattr(node, a, None), str)}
+            found += [f"{rel}: {w}" for w in sorted(words & OPTAX_ONLY)]
+    for config in (hparams.AdamWConfig, hparams.MuonConfig):
+        found += [f"{config.__name__}.{f.name}" for f in dataclasses.fields(config)
+                  if f.name in OPTAX_ONLY]
+    assert not found, found

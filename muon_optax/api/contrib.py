@@ -38,8 +38,8 @@ from muon_optax.rule.coefficients import (
     Coeffs,
     coefficient_rows,
 )
-from muon_optax.rule.contrib import ContribConfig
-from muon_optax.rule.hparams import AdamWConfig, Scalar
+from muon_optax.rule.contrib import ContribConfig, OptaxAdamConfig
+from muon_optax.rule.hparams import Scalar
 from muon_optax.rule.polar import check_preconditioning
 from muon_optax.state.optax_state import ADAM, MUON, MUON_NO_DECAY
 
@@ -232,11 +232,10 @@ def contrib_muon(
         nesterov=nesterov, compute_dtype=jnp.float32, mu_dtype=mu_dtype, adaptive=adaptive,
         consistent_rms=consistent_rms, where=where)
     adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-    configs: dict[str, AdamWConfig | ContribConfig] = {
+    configs: dict[str, OptaxAdamConfig | ContribConfig] = {
         MUON: muon_cfg,
-        ADAM: AdamWConfig.make(adam_lr, (adam_b1, adam_b2), eps, adam_weight_decay,
-                               where=f"{where} (its Adam)", eps_root=adam_eps_root,
-                               nesterov=nesterov, mu_dtype=mu_dtype, optax_ema=True)}
+        ADAM: OptaxAdamConfig.make(adam_lr, (adam_b1, adam_b2), eps, adam_weight_decay,
+                                   eps_root=adam_eps_root, nesterov=nesterov, mu_dtype=mu_dtype)}
     if weight_decay_mask is not None:   # undecayed Muon leaves (stacked with the decayed ones)
         configs[MUON_NO_DECAY] = dataclasses.replace(muon_cfg, weight_decay=0.0)
     split = _Split(muon_weight_dimension_numbers, weight_decay_mask)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from muon_optax.rule import hparams, muon
-from muon_optax.rule.adamw import update_in_param_dtype
+from muon_optax.rule.adamw import decayed, update_in_param_dtype
 from muon_optax.rule.coefficients import Coeffs, ns_coefficients
 from muon_optax.rule.order import after
 
@@ -20,7 +20,7 @@ from muon_optax.rule.order import after
 @dataclasses.dataclass(frozen=True)
 class ContribConfig:
     """A Muon group of optax.contrib.muon's (``adam``: its bias-corrected first moment, as
-    ``adamw_leaf_update``'s ``optax_ema``, ``U`` unrounded) or torch.optim.Muon's rule
+    :class:`OptaxAdamConfig`'s, ``U`` unrounded) or torch.optim.Muon's rule
     (torch's lerps). ``adaptive``: ``O <U, O>``, ``<U, O>`` summed over the leaf."""
 
     lr: hparams.Scalar
@@ -110,3 +110,50 @@ class ContribConfig:
         o32, p32 = o.astype(jnp.float32), p.astype(jnp.float32)
         lr_o = lr * self.lr_scale(rows, cols)
         return update_in_param_dtype(p32, -lr_o * o32 - (lr * weight_decay) * p32, p.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptaxAdamConfig(hparams.AdamWConfig):
+    """optax.adamw's rule (contrib_muon's Adam): nanochat's AdamW but for optax's options and
+    its moments' rounding (``b m`` rounded to the moment's dtype before the sum):
+
+        m = (1 - b1) g + b1 m;  v = (1 - b2) g^2 + b2 v;  v_hat = v / (1 - b2^t) + eps_root
+        m_hat = b1 m / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)   (nesterov)  or  m / (1 - b1^t)
+        update = -lr m_hat / (sqrt(v_hat) + eps) - lr wd p"""
+
+    eps_root: hparams.Scalar = 0.0
+    nesterov: bool = True
+    mu_dtype: Any = None
+
+    @classmethod
+    def make(cls, lr, betas, eps, weight_decay, where="contrib_muon (its Adam)", *,
+             eps_root=0.0, nesterov=True, mu_dtype=None) -> OptaxAdamConfig:
+        base = vars(hparams.AdamWConfig.make(lr, betas, eps, weight_decay, where))
+        return cls(**base, eps_root=hparams.check_scalar(eps_root, "eps_root", where),
+                   nesterov=hparams.check_flag(nesterov, "nesterov", where),
+                   mu_dtype=hparams.check_dtype(mu_dtype, "mu_dtype", where))
+
+    def at(self, count: jax.Array) -> dict[str, jax.Array]:
+        """As nanochat's, with ``eps_root`` when it is not the constant 0."""
+        zero = isinstance(self.eps_root, float) and self.eps_root == 0.0
+        return super().at(count) | ({} if zero else {"eps_root": hparams.value_at(
+            self.eps_root, count)})
+
+    def step(self, g: jax.Array, p: jax.Array | None, m: jax.Array, v: jax.Array,
+             t: jax.Array, hp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """:func:`~muon_optax.rule.adamw.adamw_leaf_update`'s contract."""
+        f32, b1, b2 = jnp.float32, hp["b1"], hp["b2"]
+        g32 = g.astype(f32)
+        # 1 - b from the exact constant: float32's 1 - f32(b) is off by an ulp of b,
+        # which flips bf16 roundings of m.
+        c1, c2 = (1.0 - b if isinstance(b, float) else 1 - hp_b
+                  for b, hp_b in ((self.b1, b1), (self.b2, b2)))
+        m32 = c1 * g32 + (b1.astype(m.dtype) * m).astype(f32)
+        v32 = c2 * (g32 * g32) + (b2.astype(v.dtype) * v).astype(f32)
+        t = t.astype(f32)
+        v_hat = v32 / (1 - b2**t)
+        v_hat = v_hat + hp["eps_root"] if "eps_root" in hp else v_hat
+        lr_m = (hp["lr"] * (b1 * m32 / (1 - b1 ** (t + 1)) + (1 - b1) * g32 / (1 - b1**t))
+                if self.nesterov else (hp["lr"] / (1 - b1**t)) * m32)
+        step = lr_m / (jnp.sqrt(v_hat) + hp["eps"])
+        return decayed(step, g, p, hp), m32.astype(m.dtype), v32.astype(v.dtype)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muon_optax.rule import muon
+from muon_optax.rule import adamw, muon
 from muon_optax.rule.coefficients import POLAR_EXPRESS_COEFFS, Coeffs, did_you_mean, ns_coefficients
 from muon_optax.rule.polar import check_preconditioning
 
@@ -104,40 +104,34 @@ def check_dtype(dtype: Any, name: str, where: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
-    """Hyperparameters of an AdamW group (:func:`muon_optax.adamw`); the last four are
-    optax's Adam options, for :func:`muon_optax.contrib_muon` (see ``adamw_leaf_update``)."""
+    """An AdamW group of nanochat's rule (:func:`muon_optax.adamw`'s arguments, checked);
+    ``step`` is its kernel. optax's Adam is :class:`~muon_optax.rule.contrib.OptaxAdamConfig`."""
 
     lr: Scalar
     b1: Scalar
     b2: Scalar
     eps: Scalar
     weight_decay: Scalar
-    eps_root: Scalar = 0.0
-    nesterov: bool = False
-    mu_dtype: Any = None
-    optax_ema: bool = False
+    mu_dtype: ClassVar[Any] = None  # the first moment in the parameter's dtype
 
     @classmethod
-    def make(cls, lr, betas, eps, weight_decay, where="adamw", *, eps_root=0.0,
-             nesterov=False, mu_dtype=None, optax_ema=False) -> AdamWConfig:
+    def make(cls, lr, betas, eps, weight_decay, where="adamw") -> AdamWConfig:
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise TypeError(f"{where}: betas must be a pair (b1, b2), got {betas!r}.")
-        scalars = (check_scalar(v, n, where) for v, n in (
+        return cls(*(check_scalar(v, n, where) for v, n in (
             (lr, "lr"), (betas[0], "betas[0]"), (betas[1], "betas[1]"), (eps, "eps"),
-            (weight_decay, "weight_decay"), (eps_root, "eps_root")))
-        return cls(*scalars, nesterov=check_flag(nesterov, "nesterov", where),
-                   mu_dtype=check_dtype(mu_dtype, "mu_dtype", where),
-                   optax_ema=check_flag(optax_ema, "optax_ema", where))
+            (weight_decay, "weight_decay"))))
 
     def needs_params(self) -> bool:
         """Whether ``update`` reads the params: weight decay not the constant zero."""
         return not isinstance(self.weight_decay, float) or self.weight_decay != 0.0
 
     def at(self, count: jax.Array) -> dict[str, jax.Array]:
-        """The hyperparameters at step ``count``; ``eps_root`` only when not the constant 0."""
-        keys = ("lr", "b1", "b2", "eps", "weight_decay")
-        keys += () if isinstance(self.eps_root, float) and self.eps_root == 0.0 else ("eps_root",)
-        return {k: value_at(getattr(self, k), count) for k in keys}
+        """The hyperparameters at step ``count``."""
+        return {k: value_at(getattr(self, k), count)
+                for k in ("lr", "b1", "b2", "eps", "weight_decay")}
+
+    step = staticmethod(adamw.adamw_leaf_update)  # (g, p, m, v, t, hp) -> (update, m, v)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,6 @@ from muon_optax.params.labels import path_str
 from muon_optax.plan.plan import TreePlan, make_tree_plan
 from muon_optax.plan.specs import check_spec, given_specs, placed_specs
 from muon_optax.plan.warn import warn_if_split
-from muon_optax.rule.adamw import adamw_leaf_update
 from muon_optax.rule.hparams import AdamWConfig, MuonConfig
 from muon_optax.rule.order import after, first_elements
 from muon_optax.rule.platform import per_platform
@@ -143,8 +142,7 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
         else:
             g = scaled(comm.mean_scatter(pad_to(g, a.padded), a.axis), scale)
         p = None if p is None else comm.local(pad_to(p, a.padded), a.axis)
-        u, mu[a.index], nu[a.index] = adamw_leaf_update(g, p, m, v, t, hps[a.group],
-                                                        cfg=opts.configs[a.group])
+        u, mu[a.index], nu[a.index] = opts.configs[a.group].step(g, p, m, v, t, hps[a.group])
         updates[a.index] = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
     return plan.treedef.unflatten(mu), plan.treedef.unflatten(nu), muon
 
@@ -155,8 +153,8 @@ def _adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, grads
     mu, nu = plan.treedef.flatten_up_to(state.mu), plan.treedef.flatten_up_to(state.nu)
     for a in plan.adamw:
         g, p = grads[a.index]
-        u, mu[a.index], nu[a.index] = adamw_leaf_update(
-            g, p, mu[a.index], nu[a.index], t, hps[a.group], cfg=opts.configs[a.group])
+        u, mu[a.index], nu[a.index] = opts.configs[a.group].step(
+            g, p, mu[a.index], nu[a.index], t, hps[a.group])
         if a.axis is not None:
             u = comm.gather(u, a.axis)[tuple(slice(0, n) for n in a.shape)]
         updates[a.index] = u

@@ -16,15 +16,8 @@ from muon_optax.rule import polar
 from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
+from muon_optax.step import matrices
 from muon_optax.step.guard import scaled
-from muon_optax.step.matrices import (
-    chunk_bytes,
-    chunk_runs,
-    chunks,
-    finish_leaves,
-    kernel_in_loop,
-    matrix_hparams,
-)
 from muon_optax.step.rows import member_runs
 from muon_optax.step.state import MuonBuffers
 
@@ -35,7 +28,7 @@ def _chunk_step(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int,
     g, (lo, hi), st = scaled(gs[0], scale), run[0], sp.stack
     whole = (lo, hi) == (0, st.size)
     state = MuonStackState(*(b if whole else b[lo:hi] for b in bufs))
-    hp = matrix_hparams(st, hps, np.arange(lo, hi)[None], lambda t: np.asarray(t)[0])
+    hp = matrices.matrix_hparams(st, hps, np.arange(lo, hi)[None], lambda t: np.asarray(t)[0])
     o, state, d = st.config.step(g, state, hp, count, st.dtype)
     # The second moment is written once O is computed: the old one is dead by then.
     new = (state.momentum, after(state.second_moment, o))
@@ -60,7 +53,7 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], hps, count, g_leaves, p_
                                      state_muon, scale, out, budget, loop)
         return bufs, [out[m.index] for m in plan.muon]
 
-    chunk, whole = chunk_bytes(plan), partial(form, WHOLE, True)
+    chunk, whole = matrices.chunk_bytes(plan), partial(form, WHOLE, True)
     bufs, muon_updates = per_platform("loop", cuda=whole, rocm=whole,
                                       tpu=partial(form, chunk, False, LOOP_CHUNKS * chunk),
                                       default=partial(form, chunk, False))
@@ -87,7 +80,8 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
     for sp in plan.owner.stacks:
         st, pieces, duals = sp.stack, {}, {}
         matrix_bytes = 4 * st.rows * st.cols
-        for run in chunk_runs(chunks(st.size, matrix_bytes, budget), matrix_bytes, loop_bytes):
+        spans = matrices.chunks(st.size, matrix_bytes, budget)
+        for run in matrices.chunk_runs(spans, matrix_bytes, loop_bytes):
             gs = [jnp.concatenate([
                 st.members[i].to_stored(after(g_leaves[st.members[i].index], prev))[a:b]
                 for i, a, b in member_runs(st, np.arange(lo, hi))]) for lo, hi in run]
@@ -105,8 +99,8 @@ def _stacks_in_chunks(plan: TreePlan, configs: dict[str, Any], hps, count, g_lea
                     m = st.members[i]
                     o_leaf = m.from_stored(jnp.concatenate(pieces.pop(i)))
                     scales = {m.index: sum(jnp.sum(x) for x in duals.pop(i))} if duals else {}
-                    finish_leaves(plan, configs, hps, {m.index: o_leaf}, scales, p_leaves,
-                                  updates, only=(m,))
+                    matrices.finish_leaves(plan, configs, hps, {m.index: o_leaf}, scales,
+                                           p_leaves, updates, only=(m,))
                 prev = updates[st.members[done[-1]].index] if done else o
     return tuple(bufs.values())
 
@@ -115,8 +109,8 @@ def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int
                  scale: jax.Array | None, hps, count):
     """Equal chunks ``run`` (gradients ``gs``) as one loop of :func:`_chunk_step`'s arithmetic."""
     st, per, lo0, n = sp.stack, run[0][1] - run[0][0], run[0][0], len(run)
-    hp_all = matrix_hparams(st, hps, np.arange(lo0, lo0 + n * per)[None],
-                            lambda t: np.asarray(t)[0])
+    hp_all = matrices.matrix_hparams(st, hps, np.arange(lo0, lo0 + n * per)[None],
+                                     lambda t: np.asarray(t)[0])
 
     def read(bufs, at):
         return MuonStackState(*(jax.lax.dynamic_slice_in_dim(b, lo0 + at, per, axis=0)
@@ -127,8 +121,8 @@ def _run_in_loop(sp: StackPlan, bufs: MuonBuffers, gs: list, run: list[tuple[int
         return MuonBuffers(*(jax.lax.dynamic_update_slice_in_dim(b, x, lo0 + at, axis=0)
                              for b, x in zip(bufs, new)))
 
-    o_all, bufs, d_all = kernel_in_loop(st, jnp.concatenate(gs), per, hp_all, bufs, read,
-                                        write, count, scale)
+    o_all, bufs, d_all = matrices.kernel_in_loop(st, jnp.concatenate(gs), per, hp_all, bufs,
+                                                 read, write, count, scale)
     outs = [(o_all[j * per:(j + 1) * per],
              None if d_all is None else d_all[j * per:(j + 1) * per]) for j in range(n)]
     return outs, bufs

@@ -16,15 +16,8 @@ from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
+from muon_optax.step import matrices
 from muon_optax.step.collectives import Collectives, Cost, varying_axes
-from muon_optax.step.matrices import (
-    chunk_bytes,
-    chunk_runs,
-    chunks,
-    finish_leaves,
-    kernel_in_loop,
-    matrix_hparams,
-)
 from muon_optax.step.one_device import LOOP_CHUNKS
 from muon_optax.step.rows import dynamic_slice
 from muon_optax.step.state import MuonBuffers
@@ -110,8 +103,8 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
                            _write(bufs.second_moment, s, new.second_moment, o))
 
     g_all = jnp.concatenate(gs) if len(gs) > 1 else gs[0]
-    hp_all = matrix_hparams(st, hps, sp.slots[:, lo:lo + n], comm.pick)
-    o_all, bufs, d_all = kernel_in_loop(st, g_all, per, hp_all, bufs, read, write, count)
+    hp_all = matrices.matrix_hparams(st, hps, sp.slots[:, lo:lo + n], comm.pick)
+    o_all, bufs, d_all = matrices.kernel_in_loop(st, g_all, per, hp_all, bufs, read, write, count)
     # An unowned slot's direction and <U, O> are never read: its store keeps what is
     # there, and _leaf_duals reads owned slots only.
     for a, b in parts:
@@ -127,8 +120,8 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
     masked there (masked chunks compiled slower). Exchange stacks over 1.5 budgets:
     :func:`_exchange_runs`."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
-    budget = chunk_bytes(plan)
-    spans = chunks(sp.base, matrix_bytes, budget)
+    budget = matrices.chunk_bytes(plan)
+    spans = matrices.chunks(sp.base, matrix_bytes, budget)
     if (loop_bytes and spans and sp.transport == EXCHANGE
             and 2 * sp.base * matrix_bytes > 3 * budget):
         return _exchange_runs(sp.base, spans[0][1] - spans[0][0])
@@ -137,7 +130,7 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
         if sp.base % per:   # 10 in chunks of 5 and 5, not 4, 4 and 2: one kernel
             per = min([d for d in range(cap, cap + cap // 2 + 1) if sp.base % d == 0], default=per)
         spans = [(lo, min(lo + per, sp.base)) for lo in range(0, sp.base, per)]
-    runs = chunk_runs(spans, matrix_bytes, loop_bytes)
+    runs = matrices.chunk_runs(spans, matrix_bytes, loop_bytes)
     if loop_bytes and sp.num_slots > sp.base and runs and runs[-1] == [(sp.base - 1, sp.base)]:
         runs[-1] = runs[-1] + [(sp.base, sp.base + 1)]
     return runs
@@ -167,7 +160,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
                                               comm, count, prev, run)
         else:   # one batched program; the new momentum written as soon as U is formed
             ((lo, hi),) = run
-            hp = matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
+            hp = matrices.matrix_hparams(sp.stack, hps, sp.slots[:, lo:hi], comm.pick)
             at = _state_at(k, sp, plan, comm, lo)
             g, carry = moves.load(carry, k, lo, hi - lo, prev, scale)
             prev, state, d = cfg.step(g, _read_state(bufs, at, hi - lo, sp), hp, count, dtype)
@@ -179,7 +172,7 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
         owned = _owned(sp, comm, j)
         at = _state_at(k, sp, plan, comm, j)
         (g, carry), state = moves.load(carry, k, j, 1, prev, scale), _read_state(bufs, at, 1, sp)
-        hp = matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
+        hp = matrices.matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
         o, state, d = jax.lax.cond(
             owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype, not loop_bytes),
             lambda g, s: _skipped(g, s, dtype, cfg.leaf_scaled), g, state)
@@ -232,11 +225,11 @@ def muon_phase(plan: TreePlan, configs: dict[str, Any], comm: Collectives, hps, 
             if d is not None:
                 duals[k] = d
         local_shapes = {m.index: tuple(g_leaves[m.index].shape) for m in plan.muon}
-        finish_leaves(plan, configs, hps, moves.finish(carry, local_shapes),
-                      _leaf_duals(plan, comm, duals), p_leaves, out)
+        matrices.finish_leaves(plan, configs, hps, moves.finish(carry, local_shapes),
+                               _leaf_duals(plan, comm, duals), p_leaves, out)
         return tuple(bufs.values()), [out[m.index] for m in plan.muon]
 
-    loop_bytes = LOOP_CHUNKS * chunk_bytes(plan)
+    loop_bytes = LOOP_CHUNKS * matrices.chunk_bytes(plan)
     if all(_runs(sp, plan, loop_bytes) == _runs(sp, plan, 0) for sp in plan.owner.stacks):
         bufs, muon_updates = form(0)   # no loop to make: one program everywhere
     else:
