@@ -45,10 +45,12 @@ def did_you_mean(word: object, choices: Any) -> str:
 
 
 def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
-    """``ns_steps`` as a static int in 1..5: it sets the program's length. A JAX array is
-    refused even when concrete, as ``optax.inject_hyperparams`` makes one (traced)."""
+    """``ns_steps`` as a static int in 1..5 (Polar Express's rows): it sets the program's
+    length. A JAX array is refused even when concrete, as ``optax.inject_hyperparams``
+    makes one (traced)."""
+    most = len(POLAR_EXPRESS_COEFFS)
     if isinstance(ns_steps, jax.Array):
-        raise TypeError(f"{where}: ns_steps must be a Python int in 1..5, got a JAX array "
+        raise TypeError(f"{where}: ns_steps must be a Python int in 1..{most}, got a JAX array "
                         f"({ns_steps!r}); it is static (it sets the program's length). With "
                         "optax.inject_hyperparams pass static_args=(\"ns_steps\",).")
     try:
@@ -56,11 +58,11 @@ def check_ns_steps(ns_steps: object, where: str = "orthogonalize") -> int:
             raise TypeError
         ns_steps = operator.index(ns_steps)  # int, NumPy integer, 0-d integer ndarray
     except TypeError:
-        raise TypeError(f"{where}: ns_steps must be a Python int in 1..5, "
+        raise TypeError(f"{where}: ns_steps must be a Python int in 1..{most}, "
                         f"got {ns_steps!r}.") from None
-    if not 1 <= ns_steps <= len(POLAR_EXPRESS_COEFFS):
-        raise ValueError(f"{where}: ns_steps={ns_steps} is outside 1..5; Polar Express has "
-                         "coefficients for 5 iterations.")
+    if not 1 <= ns_steps <= most:
+        raise ValueError(f"{where}: ns_steps={ns_steps} is outside 1..{most}; Polar Express "
+                         f"has coefficients for {most} iterations.")
     return ns_steps
 
 
