@@ -525,9 +525,26 @@ def _init_distributed(args: argparse.Namespace) -> None:
                          "host:port, --num-processes and --process-id") from None
     finally:
         _JOINED.set()
+    _no_cache_where_it_hangs()
 
 
 _JOINED = threading.Event()  # set once jax.distributed.initialize has returned
+
+
+def _no_cache_where_it_hangs() -> None:
+    """On jaxlib 0.12.1 and later, CPU (gloo): a multi-process program loaded from jax's
+    persistent compilation cache hangs in its first collective (0.10.2 and 0.12.0.1 run it).
+    Such a run compiles afresh, and says so; before its first compile, which reads the flag."""
+    import jax
+    import jaxlib
+
+    version = tuple(int(x) for x in jaxlib.__version__.split(".")[:3] if x.isdigit())
+    if (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+            and version >= (0, 12, 1) and jax.default_backend() == "cpu"):
+        jax.config.update("jax_enable_compilation_cache", False)
+        print(f"train.py: jax's persistent compilation cache is off for this run: on jaxlib "
+              f"{jaxlib.__version__} a multi-process CPU program loaded from it hangs in its "
+              "first collective", file=sys.stderr, flush=True)
 
 
 def _watch_join(args: argparse.Namespace, since: float) -> None:
