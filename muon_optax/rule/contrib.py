@@ -17,10 +17,18 @@ from muon_optax.rule.coefficients import Coeffs, ns_coefficients
 from muon_optax.rule.order import after
 
 
+def optax_ema(x32: jax.Array, old: jax.Array, b: hparams.Scalar, b_now: jax.Array) -> jax.Array:
+    """optax's moment ``(1 - b) x + b old`` in float32, ``b old`` rounded to ``old``'s dtype
+    first; ``1 - b`` from the exact constant where ``b`` is one (float32's ``1 - f32(b)`` is
+    off by an ulp of ``b``, which flips bf16 roundings). ``b_now``: ``b``'s value this step."""
+    c = 1.0 - b if isinstance(b, float) else 1 - b_now
+    return c * x32 + (b_now.astype(old.dtype) * old).astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ContribConfig:
-    """A Muon group of optax.contrib.muon's (``adam``: its bias-corrected first moment, as
-    :class:`OptaxAdamConfig`'s, ``U`` unrounded) or torch.optim.Muon's rule
+    """A Muon group of optax.contrib.muon's (``adam``: its bias-corrected first moment,
+    :func:`optax_ema`, ``U`` unrounded) or torch.optim.Muon's rule
     (torch's lerps). ``adaptive``: ``O <U, O>``, ``<U, O>`` summed over the leaf."""
 
     lr: hparams.Scalar
@@ -90,9 +98,8 @@ class ContribConfig:
             stored, u = muon.momentum(g32, state.momentum, mu, nesterov=self.nesterov)
         else:
             c = self.complement()
-            mu_l = muon.in_layout(mu, g.shape, layout)
-            buf32 = ((1 - mu_l if c is None else c) * muon.in_layout(g32, g.shape, layout)
-                     + (mu_l.astype(state.momentum.dtype) * state.momentum).astype(f32))
+            buf32 = optax_ema(muon.in_layout(g32, g.shape, layout), state.momentum,
+                              self.momentum, muon.in_layout(mu, g.shape, layout))
             stored = buf32.astype(state.momentum.dtype)
             buf = (stored if stored.dtype == f32 else buf32).reshape(g.shape).astype(f32)
             t = count.astype(f32) + 1
@@ -144,12 +151,7 @@ class OptaxAdamConfig(hparams.AdamWConfig):
         """:func:`~muon_optax.rule.adamw.adamw_leaf_update`'s contract."""
         f32, b1, b2 = jnp.float32, hp["b1"], hp["b2"]
         g32 = g.astype(f32)
-        # 1 - b from the exact constant: float32's 1 - f32(b) is off by an ulp of b,
-        # which flips bf16 roundings of m.
-        c1, c2 = (1.0 - b if isinstance(b, float) else 1 - hp_b
-                  for b, hp_b in ((self.b1, b1), (self.b2, b2)))
-        m32 = c1 * g32 + (b1.astype(m.dtype) * m).astype(f32)
-        v32 = c2 * (g32 * g32) + (b2.astype(v.dtype) * v).astype(f32)
+        m32, v32 = optax_ema(g32, m, self.b1, b1), optax_ema(g32 * g32, v, self.b2, b2)
         t = t.astype(f32)
         v_hat = v32 / (1 - b2**t)
         v_hat = v_hat + hp["eps_root"] if "eps_root" in hp else v_hat
