@@ -208,7 +208,7 @@ def _close_but_mask_flips(got, want, path: str) -> None:
 
 
 # Every TPU form of the sharded step (pieces, barriers, tile order, chunk loops).
-TPU_FORMS = ("exchange", "gather", "order", "tiles", "loop")
+TPU_FORMS = ("exchange", "gather", "order", "tiles", "loop", "remainder")
 
 
 def _fsdp_training(monkeypatch, forms, n):
@@ -258,10 +258,11 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``) on 4
     devices with 5 layers: the MLP stack (c_fc, and c_proj stored wide) is two matrices a
     device and one more on two of them. In the TPU forms (forced on XLA:CPU) that slot
-    runs under a ``cond`` of its own, as in the CPU form (an exchange stack never loops:
-    ``sharded._exchange_runs``); training follows the CPU form to rounding (XLA:CPU
-    fuses the kernel inside a ``cond`` otherwise; three steps carry it to 3e-7). The
-    unowned slots' state is checked in tests/test_collectives.py."""
+    runs on its own (an exchange stack never loops: ``sharded._exchange_runs``) on every
+    device, masked where not owned (the CPU form: under a ``cond``); training follows the
+    CPU form to rounding (XLA:CPU fuses the kernel inside a ``cond`` otherwise; three
+    steps carry it to 3e-7). The unowned slots' state is checked in
+    tests/test_collectives.py."""
     from muon_optax.step import matrices, sharded
 
     monkeypatch.setattr(g, "D", 128)
@@ -274,7 +275,7 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     want_losses, want = _fsdp_training(monkeypatch, (), 4)
     masked.clear()   # (the CPU run traces the TPU form too, lax.platform_dependent)
     got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 4)
-    assert 2 in masked and not any(isinstance(j, jax.Array) for j in masked)  # a cond's
+    assert 2 in masked and not any(isinstance(j, jax.Array) for j in masked)  # alone
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for path, x in want.items():
         _close_but_mask_flips(got[path], x, path)

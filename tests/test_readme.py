@@ -208,7 +208,8 @@ def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch):
     waited = []
     monkeypatch.setattr(engine, "first_elements",
                         lambda xs: waited.append(len(xs)) or order.first_elements(xs))
-    for site in ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop"):
+    for site in ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
+                 "remainder"):
         monkeypatch.setitem(platform.FORCED, site, "tpu")
     got = run(code)["params"]
     assert waited == [2]              # after w1's and w2's updates
