@@ -8,10 +8,9 @@ from typing import Any
 
 import jax
 
-# {site: platform} for tests. Sites: "polar" (rule.polar, rule.muon), "loop"
-# (step.one_device, step.sharded), "remainder" (step.sharded), "scatter" (step.collectives),
-# "gather", "exchange", "tiles" (step.transport, .exchange, .rows), "order" (rule.order),
-# "late_adamw" (step.engine).
+# {site: platform} for tests. Sites: "polar" (rule.polar, .muon), "loop" (step.one_device,
+# .sharded), "remainder" (.sharded), "scatter" (step.collectives), "gather", "exchange", "tiles"
+# (step.transport, .exchange, .rows), "order" (rule.order), "late_adamw" (step.engine).
 FORCED: dict[str, str] = {}
 
 

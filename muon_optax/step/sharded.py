@@ -1,7 +1,6 @@
 """The sharded Muon phase: per stack in turn (one stack's temporaries alive at a time), a
 device loads its owned gradients through the transports, runs the kernel (state updated in
-place) and stores the directions. Slots all devices own run batched, the rest one by one:
-under ``cond`` where not owned, or on TPU by every device, the owner's state kept."""
+place) and stores the directions. Slots all devices own run batched, the rest one by one."""
 
 from __future__ import annotations
 
@@ -47,11 +46,12 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
-def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order: bool):
-    """The kernel on a slot a device may not own (a ``lax.cond`` branch, or masked). Its
-    momentum is written after: ``order`` after ``U`` cost a kernel a shape on TPU (else kept)."""
-    o, state, d = cfg.step(g, state, hp, count, dtype, order=order)
-    return o, state, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
+def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order, owned=None):
+    """The kernel on a slot a device may not own (``owned``: the old state kept where false)."""
+    o, new, d = cfg.step(g, state, hp, count, dtype, order=order)
+    if owned is not None:
+        new = jax.tree.map(lambda a, b: jnp.where(owned, a, b), new, state)
+    return o, new, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
 
 
 def _skipped(g, state: MuonStackState, dtype, leaf_scaled: bool):
@@ -151,12 +151,9 @@ def _exchange_runs(base: int, cap: int) -> list[list[tuple[int, int]]]:
 
 def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale, carry,
                 bufs: MuonBuffers, hps, comm: Collectives, count, prev, loop_bytes: int):
-    """One stack's owned slots: the first ``base`` in :func:`_runs`' chunks, the rest one by
-    one, skipped under ``lax.cond`` where not owned; on TPU run everywhere, the state kept
-    where not owned: a ``cond`` holds its operands and results at once (FSDP d1280x20 on 64
-    chips, each one MLP matrix or none: 296.3 MiB of temporaries, masked 179.5), and the
-    devices wait for the owners at the next collective anyway. Returns the carry, state
-    buffers, last direction and ``<U, O>``."""
+    """One stack's owned slots: the first ``base`` in :func:`_runs`' chunks, the rest one by one,
+    under ``lax.cond`` where not owned (on TPU run everywhere, masked: a ``cond`` holds its
+    operands and results at once). Returns the carry, state buffers, last direction, ``<U, O>``."""
     cfg, dtype, duals = sp.stack.config, sp.stack.dtype, []
     runs = _runs(sp, plan, loop_bytes)
     for run in runs:
@@ -178,17 +175,11 @@ def _stack_step(k: int, sp: StackPlan, plan: TreePlan, moves: Transports, scale,
         at = _state_at(k, sp, plan, comm, j)
         (g, carry), state = moves.load(carry, k, j, 1, prev, scale), _read_state(bufs, at, 1, sp)
         hp = matrices.matrix_hparams(sp.stack, hps, sp.slots[:, j:j + 1], comm.pick)
-        def masked(g, s, hp=hp, owned=owned):
-            o, new, d = _owned_slot(g, s, hp, cfg, count, dtype, False)
-            return o, jax.tree.map(lambda a, b: jnp.where(owned, a, b), new, s), d
-
-        def skipped(g, s, hp=hp, owned=owned):
-            return jax.lax.cond(
+        o, state, d = per_platform(   # the state unchanged where not owned, either way
+            "remainder", g, state, default=lambda g, s: jax.lax.cond(
                 owned, lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype, not loop_bytes),
-                lambda g, s: _skipped(g, s, dtype, cfg.leaf_scaled), g, s)
-
-        o, state, d = per_platform("remainder", g, state, tpu=masked, default=skipped)
-        # Unchanged where not owned.
+                lambda g, s: _skipped(g, s, dtype, cfg.leaf_scaled), g, s),
+            tpu=lambda g, s: _owned_slot(g, s, hp, cfg, count, dtype, False, owned))
         bufs = MuonBuffers(*(_write(b, start, x, o) for b, start, x in zip(bufs, at, state)))
         carry = moves.store(carry, k, j, o, owned)
         duals.append(d)
