@@ -211,7 +211,7 @@ def _close_but_mask_flips(got, want, path: str) -> None:
 TPU_FORMS = ("exchange", "gather", "order", "tiles", "loop", "remainder")
 
 
-def _fsdp_training(monkeypatch, forms, n):
+def _fsdp_training(monkeypatch, forms, n, axis_type=AxisType.Auto):
     """The README's FSDP run (``nnx.Optimizer``, ``nnx.value_and_grad``, ``mesh=``) on
     ``n`` devices with the sites ``forms`` in their TPU form (forced on XLA:CPU): its
     losses and params."""
@@ -220,13 +220,14 @@ def _fsdp_training(monkeypatch, forms, n):
     with monkeypatch.context() as m:
         for site in forms:
             m.setitem(platform.FORCED, site, "tpu")
-        mesh = _mesh((n,), AxisType.Auto)
+        mesh = _mesh((n,), axis_type)
         with jax.set_mesh(mesh):
             model = g.GPT(nnx.Rngs(0))
             g.place(model, mesh, False)
             opt = nnx.Optimizer(model, g.make_tx(axis_name=mesh.axis_names, mesh=mesh),
                                 wrt=nnx.Param)
-            return _train(model, opt, step=g.train_step), _pure_params(model)
+            step = _explicit_step() if axis_type == AxisType.Explicit else g.train_step
+            return _train(model, opt, step=step), _pure_params(model)
 
 
 def test_mesh_nnx_optimizer_with_tiled_buffers_and_tpu_chunks(monkeypatch):
@@ -254,15 +255,18 @@ def test_mesh_nnx_optimizer_with_tiled_buffers_and_tpu_chunks(monkeypatch):
         np.testing.assert_array_equal(got[path], x, err_msg=path)
 
 
-def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch):
-    """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``) on 4
-    devices with 5 layers: the MLP stack (c_fc, and c_proj stored wide) is two matrices a
-    device and one more on two of them. In the TPU forms (forced on XLA:CPU) that slot
-    runs on its own (an exchange stack never loops: ``sharded._exchange_runs``) on every
-    device, masked where not owned (the CPU form: under a ``cond``); training follows the
-    CPU form to rounding (XLA:CPU fuses the kernel inside a ``cond`` otherwise; three
-    steps carry it to 3e-7). The unowned slots' state is checked in
-    tests/test_collectives.py."""
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["auto", "explicit"])
+def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch,
+                                                                          axis_type):
+    """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``, Auto and
+    Explicit axes) on 4 devices with 5 layers: the MLP stack (c_fc, and c_proj stored wide)
+    is two matrices a device and one more on two of them. In the TPU forms (forced on
+    XLA:CPU) that slot runs on its own (an exchange stack never loops:
+    ``sharded._exchange_runs``) on every device, masked where not owned (the CPU form:
+    under a ``cond``); training follows the CPU form to rounding (XLA:CPU fuses the kernel
+    inside a ``cond`` otherwise; three steps carry it to 3e-7). The unowned slots' state is
+    checked in tests/test_collectives.py."""
     from muon_optax.step import matrices, sharded
 
     monkeypatch.setattr(g, "D", 128)
@@ -272,9 +276,9 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     monkeypatch.setattr(sharded, "_owned",
                         lambda sp, comm, j: masked.append(j) or real_owned(sp, comm, j))
 
-    want_losses, want = _fsdp_training(monkeypatch, (), 4)
+    want_losses, want = _fsdp_training(monkeypatch, (), 4, axis_type)
     masked.clear()   # (the CPU run traces the TPU form too, lax.platform_dependent)
-    got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 4)
+    got_losses, got = _fsdp_training(monkeypatch, TPU_FORMS, 4, axis_type)
     assert 2 in masked and not any(isinstance(j, jax.Array) for j in masked)  # alone
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for path, x in want.items():

@@ -46,12 +46,17 @@ def _write(buf: jax.Array, start, x: jax.Array, ready: jax.Array | None = None) 
     return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
-def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order, owned=None):
+def _kept_where_unowned(owned, new: MuonStackState, old: MuonStackState) -> MuonStackState:
+    """A masked slot's state: ``new`` where this device owns it, else ``old`` (as skipped)."""
+    return new if owned is None else jax.tree.map(lambda a, b: jnp.where(owned, a, b), new, old)
+
+
+def _owned_slot(g, state: MuonStackState, hp: dict, cfg: Any, count, dtype, order: bool,
+                owned=None):
     """The kernel on a slot a device may not own (``owned``: the old state kept where false)."""
     o, new, d = cfg.step(g, state, hp, count, dtype, order=order)
-    if owned is not None:
-        new = jax.tree.map(lambda a, b: jnp.where(owned, a, b), new, state)
-    return o, new, jnp.zeros((g.shape[0], 1, 1)) if d is None else d
+    d = jnp.zeros((g.shape[0], 1, 1)) if d is None else d
+    return o, _kept_where_unowned(owned, new, state), d
 
 
 def _skipped(g, state: MuonStackState, dtype, leaf_scaled: bool):
@@ -80,8 +85,7 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
     n = len(run) * per
     extra = lo + n > sp.base     # a slot some devices do not own: masked there (_runs)
     assert per == 1 or not extra
-    # A slot not owned is read on its own: a read past a device's share of a buffer is
-    # clamped, and would move the owned slots' window with it.
+    # A slot not owned is read alone: a read past a device's share is clamped (the window moves).
     parts = run if extra else [(lo, lo + n)]
     gs = []
     for a, b in parts:
@@ -97,8 +101,7 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
 
     def write(bufs, j, new, o):
         if extra:   # where not owned, the state as it was (as _skipped keeps it)
-            owned = _owned(sp, comm, lo + j)
-            new = jax.tree.map(lambda a, b: jnp.where(owned, a, b), new, read(bufs, j))
+            new = _kept_where_unowned(_owned(sp, comm, lo + j), new, read(bufs, j))
         m, s = start(j)
         return MuonBuffers(_write(bufs.momentum, m, new.momentum),
                            _write(bufs.second_moment, s, new.second_moment, o))
@@ -116,10 +119,9 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
 def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int, int]]]:
     """Stack ``sp``'s ``base`` slots in chunks of at most :func:`chunk_bytes`, in runs of equal
     ones within ``loop_bytes`` (0: off), a run of several one loop. With loops, chunks are as
-    equal as their count allows (or a divisor up to 1.5 times larger): no smaller last chunk
-    is a kernel of its own; a lone last matrix takes the first slot some devices do not own,
-    masked there (masked chunks compiled slower). Exchange stacks over 1.5 budgets:
-    :func:`_exchange_runs`."""
+    equal as their count allows (or a divisor up to 1.5 times larger), no smaller last chunk a
+    kernel of its own; a lone last matrix takes the first slot some devices do not own, masked
+    there (masked chunks compiled slower). Over 1.5 budgets: :func:`_exchange_runs`."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
     budget = matrices.chunk_bytes(plan)
     spans = matrices.chunks(sp.base, matrix_bytes, budget)
@@ -139,12 +141,10 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
 
 def _exchange_runs(base: int, cap: int) -> list[list[tuple[int, int]]]:
     """An exchange stack's ``base`` slots on TPU: chunks of the largest divisor of ``base`` up
-    to ``cap``, each a run of its own. A loop holds its run's matrices whole, in and out (4 MLP
-    matrices of d1280x20: 299.6 MiB of temporaries, chunk by chunk 98.3 MiB). Equal chunks keep
-    one shape, the polar kernels built once (10 at 4: 1.42 M LLO instructions in 5 chunks of 2,
-    1.68 M in 4, 4, 2). A stack within 1.5 budgets still loops (:func:`_runs`): held whole it
-    costs no more than its largest chunk, and chunks out of a loop are kernels of their own
-    (d768x12's attention, 2 chunks of 3: 158 kernels unlooped, 137 looped)."""
+    to ``cap``, each a run of its own: a loop holds its run's matrices whole, in and out (4 MLP
+    matrices of d1280x20: 299.6 MiB of temporaries, chunk by chunk 98.3 MiB); equal chunks, one
+    polar kernel. A stack within 1.5 budgets still loops (:func:`_runs`): held whole it costs
+    no more than its largest chunk, and chunks out of a loop are kernels of their own."""
     per = max(d for d in range(1, min(cap, base) + 1) if base % d == 0)
     return [[(lo, lo + per)] for lo in range(0, base, per)]
 
