@@ -32,8 +32,7 @@ from muon_optax.step.rows import (
     span,
 )
 
-# A piece of every device's row together holds at most this many largest Muon matrices
-# (on 64 chips a row is about one largest matrix: pieces of one a chip were the buffer).
+# The most largest Muon matrices in a piece (64 chips' rows are about one largest each).
 PIECE_MATRICES = 8
 # The most devices whose gathered directions go in whole tiles: on 64 chips, where the TPU
 # compiler makes each all-gather an all-reduce, tiles raised temporaries (BENCHMARKS.md).
@@ -42,9 +41,10 @@ LANES_MAX_DEVICES = 32
 
 def scatter_piece(owner: OwnerPlan) -> int:
     """Elements of a device's row in one TPU piece of the gradients' reduce-scatter and the
-    directions' all-gather: one largest Muon matrix, at most ``PIECE_MATRICES`` a piece."""
+    directions' all-gather: half a largest Muon matrix (ZeRO-2 d1280x20, 8 chips: a whole one
+    1,440.6 MiB of temporaries, half 696.3), at most ``PIECE_MATRICES`` a piece."""
     largest = max([1] + [sp.stack.rows * sp.stack.cols for sp in owner.stacks])
-    return max(1, largest * min(owner.num_devices, PIECE_MATRICES) // owner.num_devices)
+    return max(1, min(largest // 2, largest * PIECE_MATRICES // owner.num_devices))
 
 
 class GatherSource:
