@@ -15,7 +15,7 @@ from muon_optax.plan.plan import OwnerPlan
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
-from muon_optax.step.collectives import Collectives, Cost
+from muon_optax.step.collectives import ALL_GATHER_MAX_DEVICES, Collectives, Cost
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource
 from muon_optax.step.guard import scaled
 from muon_optax.step.rows import (
@@ -34,9 +34,6 @@ from muon_optax.step.rows import (
 
 # The most largest Muon matrices in a piece (64 chips' rows are about one largest each).
 PIECE_MATRICES = 8
-# The most devices whose gathered directions go in whole tiles: on 64 chips, where the TPU
-# compiler makes each all-gather an all-reduce, tiles raised temporaries (BENCHMARKS.md).
-LANES_MAX_DEVICES = 32
 
 
 def scatter_piece(owner: OwnerPlan) -> int:
@@ -117,8 +114,9 @@ class GatherSink:
         del local_shapes   # every device gets the whole leaves
         if not self.comm.active:
             return self._whole(acc)
-        return per_platform("gather", acc, default=self._whole,
-                            tpu=lambda b: self._by_pieces(b, scatter_piece(self.owner)))
+        return per_platform("gather", acc, default=self._whole, tpu=lambda b: self._by_groups(
+            b, PIECE_MATRICES) if self.comm.size > ALL_GATHER_MAX_DEVICES else self._by_pieces(
+                b, scatter_piece(self.owner)))
 
     def _whole(self, buffer: jax.Array) -> dict[int, jax.Array]:
         everything = self.comm.gather(buffer, 0).reshape(self.comm.size, -1)
@@ -139,7 +137,6 @@ class GatherSink:
         stacks = [self.owner.stacks[k].stack for k in self.channel.stacks]
         lane = lane_of(self.dtype, piece, length, self.channel.offsets,
                        [st.rows * st.cols for st in stacks])
-        lane = lane if self.comm.size <= LANES_MAX_DEVICES else 1
         ready: dict[int, list] = {}   # piece index -> the members it completes
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
@@ -155,6 +152,35 @@ class GatherSink:
             for st, m, spans, size in ready.get(p, []):
                 rows = jnp.stack([span(got, bounds, d, at, size, lane) for d, at in spans])
                 out[m.index] = m.from_stored(shaped(rows, (m.batch, st.rows, st.cols)))
+        return out
+
+    def _by_groups(self, buffer: jax.Array, group: int) -> dict[int, jax.Array]:
+        """The shares of ``group`` devices at a time, their rows summed with the others' zeros
+        (what the TPU compiler makes of an all-gather on 64 chips): each sum completes its
+        devices' matrices, where a column piece completes none before the last (ZeRO-2
+        d1280x20 on 64 v5p chips held 8 pieces of 200 MiB at once)."""
+        n, length, me = self.comm.size, self.channel.length, self.comm.index()
+        lane = lane_of(self.dtype, length, self.channel.offsets,
+                       [self.owner.stacks[k].stack.rows * self.owner.stacks[k].stack.cols
+                        for k in self.channel.stacks])
+        ready: dict[int, list] = {}   # group -> the members it completes
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            size = sp.stack.rows * sp.stack.cols
+            for m, spans in zip(sp.stack.members, member_spans(self.channel, k, sp, size)):
+                last = max(d for d, _ in spans) // group
+                ready.setdefault(last, []).append((sp.stack, m, spans, size))
+        mine, got, out = lanes(buffer, lane), [], {}
+        for g, d0 in enumerate(range(0, n, group)):
+            rows = jnp.zeros((min(group, n - d0),) + mine.shape, self.dtype)
+            inside = (me >= d0) & (me < d0 + rows.shape[0])
+            rows = jax.lax.dynamic_update_slice_in_dim(rows, jnp.where(inside, mine, 0)[None],
+                                                       jnp.clip(me - d0, 0, len(rows) - 1), 0)
+            got.append(self.comm.sum(after(rows, got[-1] if got else None)))
+            for st, m, spans, size in ready.get(g, []):
+                x = jnp.stack([got[d // group][d % group, at // lane:(at + size) // lane]
+                               for d, at in spans])
+                out[m.index] = m.from_stored(shaped(x, (m.batch, st.rows, st.cols)))
         return out
 
 
