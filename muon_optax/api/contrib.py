@@ -31,28 +31,23 @@ from muon_optax.params.dimension_numbers import (
     block_counts,
     is_dimension_numbers,
 )
-from muon_optax.rule.coefficients import (
-    DION_COEFFS,
-    POLAR_EXPRESS_COEFFS,
-    QUINTIC_COEFFS,
-    Coeffs,
-    coefficient_rows,
-)
+from muon_optax.rule import coefficients
 from muon_optax.rule.contrib import ContribConfig, OptaxAdamConfig
 from muon_optax.rule.hparams import Scalar
 from muon_optax.rule.polar import check_preconditioning
 from muon_optax.state.optax_state import ADAM, MUON, MUON_NO_DECAY
 
 # optax's names ("standard", "dion"), and muon_optax's for the same or more.
-CONTRIB_PRESETS: dict[str, Coeffs] = {
-    "standard": QUINTIC_COEFFS, "dion": DION_COEFFS,
-    "quintic": QUINTIC_COEFFS, "polar_express": POLAR_EXPRESS_COEFFS}
+CONTRIB_PRESETS: dict[str, coefficients.Coeffs] = {
+    "standard": coefficients.QUINTIC_COEFFS, "dion": coefficients.DION_COEFFS,
+    "quintic": coefficients.QUINTIC_COEFFS, "polar_express": coefficients.POLAR_EXPRESS_COEFFS}
 CONTRIB_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
 _FLAX_LAYOUT = MuonDimensionNumbers(reduction_axis=0, output_axis=1)
 
 
-def contrib_coefficients(ns_coeffs: Any, ns_steps: Any, where: str = "contrib_muon") -> Coeffs:
+def contrib_coefficients(ns_coeffs: Any, ns_steps: Any,
+                         where: str = "contrib_muon") -> coefficients.Coeffs:
     """The ``(a, b, c)`` of every iteration, as optax.contrib.muon reads its arguments: a
     triple (or ``"standard"``) runs ``ns_steps`` times; a table (``"dion"``, an ``(n, 3)``
     array) runs its ``n`` rows, one per step, where ``ns_steps >= n`` (optax's rule)."""
@@ -64,7 +59,7 @@ def contrib_coefficients(ns_coeffs: Any, ns_steps: Any, where: str = "contrib_mu
         raise ValueError(f"{where}: ns_steps={ns_steps!r}; Muon needs at least one "
                          "Newton-Schulz iteration (optax would return the preconditioned "
                          "momentum unorthogonalized).")
-    rows, is_table = coefficient_rows(ns_coeffs, where, CONTRIB_PRESETS)
+    rows, is_table = coefficients.coefficient_rows(ns_coeffs, where, CONTRIB_PRESETS)
     if not is_table:
         return rows * steps
     if len(rows) > steps:
@@ -176,7 +171,7 @@ def static_number(value: Any, name: str) -> Any:
 
 def contrib_muon(
     learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs: Any = QUINTIC_COEFFS[0],
+    ns_coeffs: Any = coefficients.QUINTIC_COEFFS[0],
     ns_steps: int = Fixed(5),  # type: ignore[assignment]
     beta: float = 0.95,
     eps: float = Fixed(1e-8),  # type: ignore[assignment]

@@ -15,15 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muon_optax.params import layout
 from muon_optax.params.dimension_numbers import check_unused
 from muon_optax.params.labels import flat_labels, path_str
-from muon_optax.params.layout import (
-    MatrixLeaf,
-    Stack,
-    flat_dimension_numbers,
-    matrix_leaf,
-    plan_stacks,
-)
 from muon_optax.plan.owners import assign_owners, slots_from_owners
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL, Route, classify, local_holders
 from muon_optax.plan.specs import Spec, adamw_shard_axis, padded_shape
@@ -40,7 +34,7 @@ class StackPlan:
     """A stack, how its matrices travel, and their owners. ``slots[d, j]``: the stack
     index of device ``d``'s ``j``-th owned matrix, ``-1`` past its count."""
 
-    stack: Stack
+    stack: layout.Stack
     transport: str
     routes: tuple[Route | None, ...]   # per member (``"exchange"`` only)
     owners: np.ndarray            # (K,)
@@ -116,14 +110,14 @@ class Channel:
     length: int
 
 
-def matrix_flops(stack: Stack, method: str = "direct") -> int:
+def matrix_flops(stack: layout.Stack, method: str = "direct") -> int:
     """Cost of one matrix of ``stack``: its polar iteration and elementwise math. The owner
     plan counts the direct form (accelerators' default), so it is the same on every backend."""
     return (polar_flops(stack.rows, stack.cols, stack.config.ns_steps, method)
             + MUON_ELEMENTWISE_FLOPS * stack.rows * stack.cols)
 
 
-def executed_flops(stack: Stack) -> int:
+def executed_flops(stack: layout.Stack) -> int:
     """FLOPs one matrix of ``stack`` runs here: the polar form this backend's compute
     dtype selects (``polar_method="auto"``)."""
     cfg = stack.config
@@ -175,7 +169,7 @@ def _channels(stacks: tuple[StackPlan, ...], size_of,
     return channels
 
 
-def make_owner_plan(stacks: Sequence[Stack], transports: Sequence[str],
+def make_owner_plan(stacks: Sequence[layout.Stack], transports: Sequence[str],
                     routes: Sequence[Sequence[Route | None]],
                     holders: Sequence[np.ndarray | None], num_devices: int) -> OwnerPlan:
     """Assigns owners across all stacks and lays out every channel. ``routes[k]``: each member's
@@ -224,7 +218,7 @@ class TreePlan:
     specs: tuple[Spec, ...]                # per leaf, the layout the engine works with
     axes: tuple[tuple[str, int], ...]      # owner axes and their sizes
     adamw: tuple[AdamWLeaf, ...]
-    muon: tuple[MatrixLeaf, ...]
+    muon: tuple[layout.MatrixLeaf, ...]
     owner: OwnerPlan
     # One device (no owner axes, or mesh= on one device): each stack's Muon state in the
     # stack's own (K, R, C) layout, run by muon_optax.step.one_device.
@@ -274,13 +268,13 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                             "an nnx.Variable other than nnx.Param), or cast it to float32.")
     specs = list(specs) if specs is not None else [((),) * len(x.shape) for x in leaves]
     labels = flat_labels(param_labels, params, paths, list(configs))
-    dims = flat_dimension_numbers(dimension_numbers, params, paths, leaves)
+    dims = layout.flat_dimension_numbers(dimension_numbers, params, paths, leaves)
     n = math.prod(size for _, size in axes)
     adamw_leaves, matrices, kinds = [], [], {}
     for i, (path, x, label) in enumerate(zip(paths, leaves, labels)):
         shape = tuple(x.shape)
         if not isinstance(configs[label], AdamWConfig):
-            leaf = matrix_leaf(i, path, x, label, dims[i])
+            leaf = layout.matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             # Stored long side last (``wide``), an MLP's two matrices share a stack: one program
             # (on TPU, a fifth less kernel code). Only for an exchange, which transposes a tall
@@ -294,7 +288,7 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                                       local, configs[label].mu_dtype))
     for a in adamw_leaves:   # after the Muon leaves', whose errors say more
         check_unused(dims[a.index], a.path, a.group)
-    stacks = plan_stacks(matrices, configs, lambda leaf: _signature(*kinds[leaf.index]))
+    stacks = layout.plan_stacks(matrices, configs, lambda leaf: _signature(*kinds[leaf.index]))
     transports = [kinds[st.members[0].index][0] for st in stacks]
     holders = [None if kind != LOCAL else np.concatenate(
         [local_holders(m, m.view_spec(specs[m.index], dict(axes)), axes) for m in st.members])
@@ -304,7 +298,7 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                     tuple(matrices), make_owner_plan(stacks, transports, routes, holders, n))
 
 
-def _muon_transport(leaf: MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]],
+def _muon_transport(leaf: layout.MatrixLeaf, spec: Spec, axes: Sequence[tuple[str, int]],
                     where: str) -> tuple[tuple[str, Route | None], Spec]:
     """How a Muon leaf travels, and the layout the engine will read it in."""
     names = tuple(name for name, _ in axes)

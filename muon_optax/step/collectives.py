@@ -68,10 +68,6 @@ class Collectives:
             return int(table[0]) if table.ndim == 1 else table[0]
         return jnp.asarray(table)[self.index()]
 
-    def sum(self, x: jax.Array) -> jax.Array:
-        """All-reduce (sum), the result invariant."""
-        return jax.lax.psum(x, self.axes) if self.active else x
-
     def mean(self, x: jax.Array) -> jax.Array:
         """All-reduce (mean): the small params' gradients."""
         if not self.active or self.grads_reduced:

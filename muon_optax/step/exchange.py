@@ -16,21 +16,8 @@ from muon_optax.plan.plan import OwnerPlan, StackPlan
 from muon_optax.plan.routes import EXCHANGE
 from muon_optax.rule.order import wait_for
 from muon_optax.rule.platform import per_platform
+from muon_optax.step import rows
 from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
-from muon_optax.step.rows import (
-    dynamic_slice,
-    dynamic_update,
-    flat,
-    lane_of,
-    lanes,
-    member_rows,
-    member_runs,
-    member_spans,
-    owned_parts,
-    shaped,
-    span,
-    take_static,
-)
 
 
 def exchange_piece(owner: OwnerPlan) -> int:
@@ -43,7 +30,7 @@ def exchange_piece(owner: OwnerPlan) -> int:
 def _grid_to_matrix(route, x: jax.Array) -> jax.Array:
     """``(n, blocks, block_size)`` (row-major over the grid, each by :func:`flat`) -> matrices."""
     n, g, b = x.shape[0], route.grid, route.block_shape
-    x = shaped(x, (n, math.prod(g)) + b, len(b)).reshape((n,) + g + b)
+    x = rows.shaped(x, (n, math.prod(g)) + b, len(b)).reshape((n,) + g + b)
     perm = (0,) + tuple(a for i in range(len(g)) for a in (1 + i, 1 + len(g) + i))
     return jnp.transpose(x, perm).reshape((n,) + route.mshape)
 
@@ -54,7 +41,7 @@ def _matrix_to_grid(route, x: jax.Array) -> jax.Array:
     x = x.reshape((n,) + tuple(v for pair in zip(g, b) for v in pair))
     perm = (0,) + tuple(range(1, 2 * len(g), 2)) + tuple(range(2, 2 * len(g) + 1, 2))
     x = jnp.transpose(x, perm).reshape((n, math.prod(g)) + b)
-    return flat(x, len(b)).reshape(n, math.prod(g), route.block_size)
+    return rows.flat(x, len(b)).reshape(n, math.prod(g), route.block_size)
 
 
 def _by_variant(sp: StackPlan, comm: Collectives, j0: int, n: int, fn, axis: int):
@@ -85,8 +72,8 @@ class ExchangeSource:
         self.bounds = [(c0, min(length, c0 + self.width))
                        for c0 in range(0, max(length, 1), self.width)]
         routes = [r for k in self.channel.stacks for r in owner.stacks[k].routes]
-        self.lane = lane_of(dtype, self.width, length, self.channel.offsets,
-                            [r.piece for r in routes], [r.block_size for r in routes])
+        self.lane = rows.lane_of(dtype, self.width, length, self.channel.offsets,
+                                 [r.piece for r in routes], [r.block_size for r in routes])
         self.members = [m.index for k in self.channel.stacks
                         for m in self.owner.stacks[k].stack.members]
         parts, unflatten = flat_rows(self._parts(leaves))
@@ -114,7 +101,7 @@ class ExchangeSource:
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            owned_parts(sp, self._pieces(sp, leaves), parts)
+            rows.owned_parts(sp, self._pieces(sp, leaves), parts)
         return parts
 
     def _piece_leaves(self) -> list[list[int]]:
@@ -126,7 +113,7 @@ class ExchangeSource:
             for k in self.channel.stacks:
                 sp = self.owner.stacks[k]
                 row = sp.slots[d]
-                for member, lo, hi in member_runs(sp.stack, row[row >= 0]):
+                for member, lo, hi in rows.member_runs(sp.stack, row[row >= 0]):
                     size = (hi - lo) * sp.routes[member].piece
                     runs.append((at, at + size, position[sp.stack.members[member].index]))
                     at += size
@@ -141,9 +128,9 @@ class ExchangeSource:
                 continue
             used = self.piece_leaves[p]   # only the leaves this piece is cut from wait
             held = wait_for([leaves[i] for i in used], got.get(p - 1), prev)
-            rows = self._parts({**now, **{self.members[i]: x for i, x in zip(used, held)}})
-            packed = jnp.stack([lanes(row_slice(r, *self.bounds[p], self.dtype), self.lane)
-                                for r in rows])
+            per_device = self._parts({**now, **{self.members[i]: x for i, x in zip(used, held)}})
+            packed = jnp.stack([rows.lanes(row_slice(r, *self.bounds[p], self.dtype), self.lane)
+                                for r in per_device])
             got[p] = self.comm.exchange(packed)
         return got
 
@@ -151,14 +138,14 @@ class ExchangeSource:
         """Per member ``(batch, piece)``: this device's sub-piece of each of its matrices."""
         out = []
         for m, route in zip(sp.stack.members, sp.routes):
-            blocks = flat(m.split_batch(leaves[m.index]), len(route.block_shape))
+            blocks = rows.flat(m.split_batch(leaves[m.index]), len(route.block_shape))
             blocks = blocks.reshape(m.batch, route.block_size)
             padded = route.replicas * route.piece
             if padded > route.block_size:
                 blocks = jnp.pad(blocks, ((0, 0), (0, padded - route.block_size)))
             blocks = blocks.reshape(m.batch, route.replicas, route.piece)
             j = self.comm.pick(np.asarray(route.replica_of))
-            out.append(dynamic_slice(blocks, j, 1, 1)[:, 0])
+            out.append(rows.dynamic_slice(blocks, j, 1, 1)[:, 0])
         return out
 
     def load(self, got: dict, k: int, j0: int, n: int, prev: jax.Array | None):
@@ -172,10 +159,10 @@ class ExchangeSource:
             cols = jnp.concatenate(got, axis=1) if len(got) > 1 else got[0]
             start = (self.comm.pick(np.asarray(self.channel.offsets[k]) // lane)
                      + (j0 * piece - first * self.width) // lane)   # in `lane` elements
-            return dynamic_slice(cols, start, n * piece // lane, 1)
+            return rows.dynamic_slice(cols, start, n * piece // lane, 1)
 
         def whole(received):   # not TPU: the one received buffer
-            return lanes(columns(received, 0, 1), lane)
+            return rows.lanes(columns(received, 0, 1), lane)
 
         if self.comm.size == 1:
             raw = whole(self.received)
@@ -192,7 +179,7 @@ class ExchangeSource:
                 return (columns(pieces, p0, lane), *[got[p] for p in new])
 
             def default(*_):
-                return (whole(self.received), *[lanes(self.received[p], lane) for p in new])
+                return (whole(self.received), *[rows.lanes(self.received[p], lane) for p in new])
 
             wait = prev if prev is not None else jnp.zeros((), self.dtype)
             out = per_platform("exchange", *self.leaves, *[got[p] for p in have], wait,
@@ -202,7 +189,7 @@ class ExchangeSource:
 
         def assemble(i):  # the matrices as member i's layout puts them together
             route, member = sp.routes[i], sp.stack.members[i]
-            x = take_static(raw, route.source_order)
+            x = rows.take_static(raw, route.source_order)
             x = jnp.transpose(x, (1, 0) + tuple(range(2, x.ndim)))
             x = x.reshape((n, math.prod(route.grid), -1) + x.shape[3:])
             return member.matrix_to_stored(_grid_to_matrix(route, x[:, :, :route.block_size
@@ -231,8 +218,8 @@ class ExchangeSink:
         self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
         # Pieces are written as (N, width) rows (in lanes the stores left more temporaries),
         # sent in lanes: a holder reads its blocks by slices.
-        self.lane = lane_of(dtype, width, length, self.channel.offsets,
-                            [owner.stacks[k].route.block_size for k in self.channel.stacks])
+        self.lane = rows.lane_of(dtype, width, length, self.channel.offsets,
+                                 [owner.stacks[k].route.block_size for k in self.channel.stacks])
 
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
@@ -251,13 +238,14 @@ class ExchangeSink:
         def split(i):  # (N, n, block): each holder's block, as member i's layout splits
             route, member = sp.routes[i], sp.stack.members[i]
             blocks = _matrix_to_grid(route, member.stored_to_matrix(o))
-            return jnp.transpose(take_static(blocks, np.asarray(route.block_of), axis=1), (1, 0, 2))
+            blocks = rows.take_static(blocks, np.asarray(route.block_of), axis=1)
+            return jnp.transpose(blocks, (1, 0, 2))
 
-        rows = _by_variant(sp, self.comm, j0, n, split, axis=1).reshape(self.comm.size, -1)
+        blocks = _by_variant(sp, self.comm, j0, n, split, axis=1).reshape(self.comm.size, -1)
         start = self.comm.pick(self.channel.offsets[k]) + j0 * sp.route.block_size
 
         def whole():
-            return dynamic_update(acc.buffer, rows, start, 1, owned)
+            return rows.dynamic_update(acc.buffer, blocks, start, 1, owned)
 
         if self.comm.size == 1:
             return acc._replace(buffer=whole())
@@ -275,16 +263,16 @@ class ExchangeSink:
         def tpu():
             new = dict(parts)
             for p in touched:
-                new[p] = self._into(parts[p], rows, start, self.bounds[p][0], lo,
+                new[p] = self._into(parts[p], blocks, start, self.bounds[p][0], lo,
                                     int(offsets.max()) + j0 * size, owned)
-            got = [self.comm.exchange(lanes(new[p], lane)) for p in done]
-            last = got[-1] if got else new[touched[-1]] if touched else rows
+            got = [self.comm.exchange(rows.lanes(new[p], lane)) for p in done]
+            last = got[-1] if got else new[touched[-1]] if touched else blocks
             return (acc.buffer, last[(slice(0, 1),) * last.ndim].reshape(1, 1),
                     *[new[p] for p in touched], *got)
 
         def default():
             return (whole(), acc.buffer[:1, :1], *[parts[p] for p in touched],
-                    *[lanes(parts[p], lane) for p in done])
+                    *[rows.lanes(parts[p], lane) for p in done])
 
         out = per_platform("exchange", tpu=tpu, default=default)
         written = {**acc.parts, **dict(zip(touched, out[2:2 + len(touched)]))}
@@ -296,14 +284,14 @@ class ExchangeSink:
         return jnp.zeros((self.comm.size, c1 - c0), self.dtype)
 
     @staticmethod
-    def _into(part: jax.Array, rows: jax.Array, start, c0: int, first: int, last: int,
+    def _into(part: jax.Array, blocks: jax.Array, start, c0: int, first: int, last: int,
               owned: jax.Array | None) -> jax.Array:
-        """``part`` (columns ``c0 ..``) with what falls in it of ``rows`` (columns ``start ..``,
+        """``part`` (columns ``c0 ..``) with what falls in it of ``blocks`` (columns ``start ..``,
         ``first <= start <= last``) where ``owned``; padded so the window is never clamped."""
-        length, width = rows.shape[1], part.shape[1]
+        length, width = blocks.shape[1], part.shape[1]
         a, b = max(0, c0 - last), min(length, c0 + width - first)
-        padded = jnp.pad(rows[:, a:b], ((0, 0), (width, width)))
-        window = dynamic_slice(padded, c0 - start - a + width, width, 1)
+        padded = jnp.pad(blocks[:, a:b], ((0, 0), (width, width)))
+        window = rows.dynamic_slice(padded, c0 - start - a + width, width, 1)
         cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
         mask = (cols >= start) & (cols < start + length)
         if owned is not None:
@@ -316,7 +304,7 @@ class ExchangeSink:
 
         def tpu():
             got = [acc.got[p] if p in acc.got
-                   else self.comm.exchange(lanes(acc.parts.get(p, self._zeros(p)), self.lane))
+                   else self.comm.exchange(rows.lanes(acc.parts.get(p, self._zeros(p)), self.lane))
                    for p in range(len(self.bounds))]
             return self._from_pieces(got, local_shapes)
 
@@ -327,9 +315,9 @@ class ExchangeSink:
         received, out = self.comm.exchange(buffer), {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            rows = member_rows(received, self.channel, k, sp, sp.route.block_size)
-            for m, route, r in zip(sp.stack.members, sp.routes, rows):
-                y = shaped(r, (m.batch,) + route.block_shape, len(route.block_shape))
+            got = rows.member_rows(received, self.channel, k, sp, sp.route.block_size)
+            for m, route, r in zip(sp.stack.members, sp.routes, got):
+                y = rows.shaped(r, (m.batch,) + route.block_shape, len(route.block_shape))
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
         return out
 
@@ -341,9 +329,9 @@ class ExchangeSink:
             sp = self.owner.stacks[k]
             size = sp.route.block_size
             for m, route, spans in zip(sp.stack.members, sp.routes,
-                                       member_spans(self.channel, k, sp, size)):
-                y = jnp.stack([span(got, self.bounds, d, at, size, self.lane)
+                                       rows.member_spans(self.channel, k, sp, size)):
+                y = jnp.stack([rows.span(got, self.bounds, d, at, size, self.lane)
                                for d, at in spans])
-                y = shaped(y, (m.batch,) + route.block_shape, len(route.block_shape))
+                y = rows.shaped(y, (m.batch,) + route.block_shape, len(route.block_shape))
                 out[m.index] = m.join_batch(y, local_shapes[m.index])
         return out

@@ -15,22 +15,10 @@ from muon_optax.plan.plan import OwnerPlan
 from muon_optax.plan.routes import EXCHANGE, GATHER, LOCAL
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
+from muon_optax.step import rows
 from muon_optax.step.collectives import ALL_GATHER_MAX_DEVICES, Collectives, Cost
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource
 from muon_optax.step.guard import scaled
-from muon_optax.step.rows import (
-    dynamic_slice,
-    dynamic_update,
-    flat,
-    lane_of,
-    lanes,
-    member_rows,
-    member_runs,
-    member_spans,
-    owned_parts,
-    shaped,
-    span,
-)
 
 # The most largest Muon matrices in a piece (64 chips' rows are about one largest each).
 PIECE_MATRICES = 8
@@ -64,8 +52,8 @@ class GatherSource:
         parts: list[list[jax.Array]] = [[] for _ in range(self.comm.size)]
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
-            owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
-                        parts, flat)
+            rows.owned_parts(sp, [m.to_stored(self.leaves[m.index]) for m in sp.stack.members],
+                             parts, rows.flat)
         return self.comm.mean_scatter_rows(parts, self.channel.length, scatter_piece(self.owner),
                                            dtype)
 
@@ -75,13 +63,13 @@ class GatherSource:
         if self.buffer is not None:
             size = st.rows * st.cols
             start = self.comm.pick(self.channel.offsets[k])
-            x = dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
-            return shaped(x, (n, st.rows, st.cols)), held
+            x = rows.dynamic_slice(self.buffer, start + j0 * size, n * size, 0)
+            return rows.shaped(x, (n, st.rows, st.cols)), held
         mine = self.comm.pick(np.maximum(sp.slots, 0)[:, j0:j0 + n])  # unowned: matrix 0
         if isinstance(mine, np.ndarray):   # one device: stack only these slots, not all
             return jnp.concatenate([st.members[i].to_stored(after(
                 self.leaves[st.members[i].index], prev))[lo:hi]
-                for i, lo, hi in member_runs(st, mine.reshape(-1))]), held
+                for i, lo, hi in rows.member_runs(st, mine.reshape(-1))]), held
         # One stack's stacking copy at a time: it waits for the previous stack.
         if k not in held:
             held = {k: st.stack([after(self.leaves[m.index], prev) for m in st.members])}
@@ -95,6 +83,8 @@ class GatherSink:
     def __init__(self, owner: OwnerPlan, dtype: Any, comm: Collectives):
         self.owner, self.comm = owner, comm
         self.channel, self.dtype = owner.gather[dtype], dtype
+        self.sizes = [owner.stacks[k].stack.rows * owner.stacks[k].stack.cols
+                      for k in self.channel.stacks]
 
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
@@ -108,7 +98,7 @@ class GatherSink:
               owned: jax.Array | None) -> jax.Array:
         st = self.owner.stacks[k].stack
         start = self.comm.pick(self.channel.offsets[k]) + j0 * st.rows * st.cols
-        return dynamic_update(acc, flat(o), start, 0, owned)
+        return rows.dynamic_update(acc, rows.flat(o), start, 0, owned)
 
     def finish(self, acc: jax.Array, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         del local_shapes   # every device gets the whole leaves
@@ -118,15 +108,26 @@ class GatherSink:
             b, PIECE_MATRICES) if self.comm.size > ALL_GATHER_MAX_DEVICES else self._by_pieces(
                 b, scatter_piece(self.owner)))
 
+    def _completed_by(self, piece_of) -> dict[int, list]:
+        """Piece -> the members it completes (their matrices' last ``piece_of(d, at, size)``)."""
+        ready: dict[int, list] = {}
+        for k in self.channel.stacks:
+            sp = self.owner.stacks[k]
+            size = sp.stack.rows * sp.stack.cols
+            for m, spans in zip(sp.stack.members, rows.member_spans(self.channel, k, sp, size)):
+                last = max(piece_of(d, at, size) for d, at in spans)
+                ready.setdefault(last, []).append((sp.stack, m, spans, size))
+        return ready
+
     def _whole(self, buffer: jax.Array) -> dict[int, jax.Array]:
         everything = self.comm.gather(buffer, 0).reshape(self.comm.size, -1)
         out = {}
         for k in self.channel.stacks:
             sp = self.owner.stacks[k]
             st = sp.stack
-            for m, rows in zip(st.members, member_rows(everything, self.channel, k, sp,
-                                                        st.rows * st.cols)):
-                out[m.index] = m.from_stored(shaped(rows, (m.batch, st.rows, st.cols)))
+            for m, x in zip(st.members, rows.member_rows(everything, self.channel, k, sp,
+                                                         st.rows * st.cols)):
+                out[m.index] = m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
         return out
 
     def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
@@ -134,53 +135,34 @@ class GatherSink:
         from a gathered 1-D buffer are a copy), in lanes where whole tiles: slices, not copies."""
         length, piece = self.channel.length, max(1, piece)
         bounds = [(c0, min(length, c0 + piece)) for c0 in range(0, length, piece)]
-        stacks = [self.owner.stacks[k].stack for k in self.channel.stacks]
-        lane = lane_of(self.dtype, piece, length, self.channel.offsets,
-                       [st.rows * st.cols for st in stacks])
-        ready: dict[int, list] = {}   # piece index -> the members it completes
-        for k in self.channel.stacks:
-            sp = self.owner.stacks[k]
-            size = sp.stack.rows * sp.stack.cols
-            for m, spans in zip(sp.stack.members, member_spans(self.channel, k, sp, size)):
-                last = max((at + size - 1) // piece for _, at in spans)
-                ready.setdefault(last, []).append((sp.stack, m, spans, size))
+        lane = rows.lane_of(self.dtype, piece, length, self.channel.offsets, self.sizes)
+        ready = self._completed_by(lambda d, at, size: (at + size - 1) // piece)
         got, prev, out = [], None, {}
         for p, (c0, c1) in enumerate(bounds):
-            part = after(lanes(jax.lax.slice_in_dim(buffer, c0, c1), lane), prev)
+            part = after(rows.lanes(jax.lax.slice_in_dim(buffer, c0, c1), lane), prev)
             got.append(self.comm.gather(part[None], 0))
             prev = got[-1]
             for st, m, spans, size in ready.get(p, []):
-                rows = jnp.stack([span(got, bounds, d, at, size, lane) for d, at in spans])
-                out[m.index] = m.from_stored(shaped(rows, (m.batch, st.rows, st.cols)))
+                x = jnp.stack([rows.span(got, bounds, d, at, size, lane) for d, at in spans])
+                out[m.index] = m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
         return out
 
     def _by_groups(self, buffer: jax.Array, group: int) -> dict[int, jax.Array]:
-        """The shares of ``group`` devices at a time, their rows summed with the others' zeros
-        (what the TPU compiler makes of an all-gather on 64 chips): each sum completes its
-        devices' matrices, where a column piece completes none before the last (ZeRO-2
-        d1280x20 on 64 v5p chips held 8 pieces of 200 MiB at once)."""
-        n, length, me = self.comm.size, self.channel.length, self.comm.index()
-        lane = lane_of(self.dtype, length, self.channel.offsets,
-                       [self.owner.stacks[k].stack.rows * self.owner.stacks[k].stack.cols
-                        for k in self.channel.stacks])
-        ready: dict[int, list] = {}   # group -> the members it completes
-        for k in self.channel.stacks:
-            sp = self.owner.stacks[k]
-            size = sp.stack.rows * sp.stack.cols
-            for m, spans in zip(sp.stack.members, member_spans(self.channel, k, sp, size)):
-                last = max(d for d, _ in spans) // group
-                ready.setdefault(last, []).append((sp.stack, m, spans, size))
-        mine, got, out = lanes(buffer, lane), [], {}
+        """``group`` devices' shares at a time, summed with the others' zeros (the TPU compiler's
+        all-gather on 64 chips): each completes its devices' matrices, a column piece none
+        before the last (ZeRO-2 d1280x20 on 64 v5p chips held 8 pieces of 200 MiB at once)."""
+        n, me = self.comm.size, self.comm.index()
+        lane = rows.lane_of(self.dtype, self.channel.length, self.channel.offsets, self.sizes)
+        ready = self._completed_by(lambda d, at, size: d // group)
+        mine, got, out = rows.lanes(buffer, lane), [], {}
         for g, d0 in enumerate(range(0, n, group)):
-            rows = jnp.zeros((min(group, n - d0),) + mine.shape, self.dtype)
-            inside = (me >= d0) & (me < d0 + rows.shape[0])
-            rows = jax.lax.dynamic_update_slice_in_dim(rows, jnp.where(inside, mine, 0)[None],
-                                                       jnp.clip(me - d0, 0, len(rows) - 1), 0)
-            got.append(self.comm.sum(after(rows, got[-1] if got else None)))
+            mask = d0 + jnp.arange(min(group, n - d0)) == me   # this device's row, if here
+            part = jnp.where(mask.reshape((-1,) + (1,) * mine.ndim), mine, jnp.zeros_like(mine))
+            got.append(jax.lax.psum(after(part, got[-1] if got else None), self.comm.axes))
             for st, m, spans, size in ready.get(g, []):
                 x = jnp.stack([got[d // group][d % group, at // lane:(at + size) // lane]
                                for d, at in spans])
-                out[m.index] = m.from_stored(shaped(x, (m.batch, st.rows, st.cols)))
+                out[m.index] = m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
         return out
 
 
