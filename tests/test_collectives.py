@@ -85,11 +85,14 @@ def test_row_slice_pads_and_spans_parts():
 # ----------------------------------------------------------------------------- the gather back
 
 
-@pytest.mark.parametrize("piece", [7, 200, 10**6])
-def test_directions_gathered_in_pieces_equal_the_whole_gather(piece):
-    """ZeRO-2's directions, gathered in column pieces (TPU) or at once: the same leaves,
-    bit for bit, matrices cut across pieces and a scanned leaf's matrices on several
-    devices included; one all-gather per piece."""
+@pytest.mark.parametrize("form, size", [("pieces", 7), ("pieces", 200), ("pieces", 10**6),
+                                        ("groups", 1), ("groups", 3), ("groups", 8)])
+def test_directions_gathered_in_parts_equal_the_whole_gather(form, size):
+    """ZeRO-2's directions on TPU, gathered in column pieces of ``size`` elements, or (past 32
+    devices) as the rows of ``size`` devices at a time summed with the others' zeros (each sum
+    completing those devices' matrices): the same leaves as one all-gather, bit for bit,
+    matrices cut across pieces and a scanned leaf's matrices on several devices included; one
+    all-gather per piece, one all-reduce (and no all-gather) per group."""
     import muon_optax
     from muon_optax.step.transport import GatherSink
 
@@ -115,48 +118,15 @@ def test_directions_gathered_in_pieces_equal_the_whole_gather(piece):
         return fn(x), fn.lower(x).compile().as_text()
 
     whole, _ = run(lambda sink, b: sink._whole(b))
-    pieces, hlo = run(lambda sink, b: sink._by_pieces(b, piece))
-    assert sorted(whole) == sorted(pieces) and len(whole) == 7
+    parts, hlo = run(lambda sink, b: getattr(sink, f"_by_{form}")(b, size))
+    assert sorted(whole) == sorted(parts) and len(whole) == 7
     for i in whole:
-        np.testing.assert_array_equal(np.asarray(pieces[i]), np.asarray(whole[i]))
-    assert len(re.findall(r"all-gather(?:-start)?\(", hlo)) == -(-length // piece)
-
-
-@pytest.mark.parametrize("group", [1, 3, 8])
-def test_directions_gathered_by_device_groups_equal_the_whole_gather(group):
-    """ZeRO-2's directions on many devices (TPU): the rows of ``group`` devices at a time,
-    summed with the others' zeros, so each sum completes those devices' matrices; the same
-    leaves as one all-gather, bit for bit, a scanned leaf's matrices on several devices
-    included; one all-reduce per group."""
-    import muon_optax
-    from muon_optax.step.transport import GatherSink
-
-    try:
-        from . import sharded_problem as sp
-    except ImportError:
-        import sharded_problem as sp
-
-    params = sp.make_params()
-    tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data")
-    owner = tx.init.plan(params, N).owner
-    (dtype,) = owner.gather
-    data = np.random.default_rng(2).standard_normal((N, owner.gather[dtype].length))
-    mesh = Mesh(np.array(jax.devices()[:N]), ("data",), axis_types=(AxisType.Auto,))
-
-    def run(form):
-        def body(x):
-            return form(GatherSink(owner, dtype, Collectives(("data",))), x[0])
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
-        x = jax.device_put(data.astype(np.float32), NamedSharding(mesh, P("data")))
-        return fn(x), fn.lower(x).compile().as_text()
-
-    whole, _ = run(lambda sink, b: sink._whole(b))
-    groups, hlo = run(lambda sink, b: sink._by_groups(b, group))
-    assert sorted(whole) == sorted(groups) and len(whole) == 7
-    for i in whole:
-        np.testing.assert_array_equal(np.asarray(groups[i]), np.asarray(whole[i]))
-    assert len(re.findall(r"all-reduce(?:-start)?\(", hlo)) == -(-N // group)
-    assert not re.findall(r"all-gather(?:-start)?\(", hlo)
+        np.testing.assert_array_equal(np.asarray(parts[i]), np.asarray(whole[i]))
+    gathers = len(re.findall(r"all-gather(?:-start)?\(", hlo))
+    if form == "pieces":
+        assert gathers == -(-length // size)
+    else:
+        assert len(re.findall(r"all-reduce(?:-start)?\(", hlo)) == -(-N // size) and not gathers
 
 
 # ------------------------------------------------------------------ the exchange transport
