@@ -162,14 +162,14 @@ def test_exchange_pieces_travel_in_whole_tiles(chips, monkeypatch):
     """The FSDP exchange's pieces go as ``rows.lanes`` lays them out (each chip's row a
     run of whole tiles), so reading a matrix out of them is a slice: the compiled step
     has fewer copies than with ``(N, width)`` pieces, whose rows share every tile."""
-    from muon_optax.step import exchange
+    from muon_optax.step import rows as buffer_rows
 
     def copies():
         _, hlo, _ = compile_step("fsdp", chips)
         return len(re.findall(r" copy\(", hlo)), len(re.findall(r" fusion\(", hlo))
 
     tiles = copies()
-    monkeypatch.setattr(exchange, "lane_of", lambda *sizes: 1)
+    monkeypatch.setattr(buffer_rows, "lane_of", lambda *sizes: 1)   # (N, width) pieces
     rows = copies()
     assert tiles[0] < rows[0], (tiles, rows)
 
