@@ -3,15 +3,23 @@
 No devices needed: plans for up to 256 devices are static (muon_optax.estimate).
 """
 
+import re
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import muon_optax
 from muon_optax.plan.owners import assign_owners, slots_from_owners
+from muon_optax.plan.plan import SPLIT_MOMENTS_MIN_DEVICES
+
+try:
+    from . import sharded_problem as sp
+except ImportError:
+    import sharded_problem as sp
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -61,6 +69,33 @@ def test_tall_matrices_are_stored_wide_where_loaded_a_chunk_at_a_time():
             assert proj["stored"] == (64, 256, "") and proj["stack"] == fc["stack"], proj
         else:
             assert proj["stored"] == (256, 64, "transposed") and proj["stack"] != fc["stack"]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_mesh_form_splits_whole_params_adamw_moments_from_4_devices(n):
+    """Under mesh=, a param laid out whole has its AdamW moments split over the owners only
+    from 4 devices on: below, its update gathered whole beside the share it comes from would
+    hold more than the split saves. The step then gathers no AdamW update. ZeRO-2 splits them
+    on any device count, as nanochat does."""
+    params = sp.make_params()
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    kw = dict(dimension_numbers=sp.DIMS, axis_name="data")
+    jit_tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, mesh=mesh, param_specs=P(), **kw)
+    zero2 = muon_optax.muon_adamw(sp.groups(), sp.LABELS, **kw)
+    split = n >= SPLIT_MOMENTS_MIN_DEVICES
+    assert split == (n == 4)
+    for tx, want in ((jit_tx, split), (zero2, True)):
+        rows = {r["path"]: r for r in muon_optax.describe(tx, params, num_devices=n, file=None)}
+        assert [rows[k]["split"] != "replicated" for k in ("embed", "head")] == [want] * 2
+    specs = muon_optax.state_specs(jit_tx, params, mesh)
+    assert [specs.mu[k] != P() for k in ("embed", "head")] == [split] * 2, specs.mu
+    # estimate plans the same: a device's state holds the moments whole, or a share
+    whole = muon_optax.estimate(jit_tx, params, n, param_specs=P())["state_bytes"][0]
+    shared = muon_optax.estimate(zero2, params, n)["state_bytes"][0]
+    assert (whole == shared) == split, (whole, shared)
+    hlo = jax.jit(jit_tx.update).lower(params, jit_tx.init(params), params).compile().as_text()
+    gathered = re.findall(r"= f32\[(\d+),(13|40)\]\{[^}]*\} all-gather", hlo)
+    assert len(gathered) == (2 if split else 0), gathered
 
 
 def test_per_stack_padding_is_worse_than_the_plan():

@@ -244,9 +244,15 @@ def _signature(transport: str, route: Route | None) -> tuple:
     return (transport, route.piece, route.block_size, route.replicas * route.piece)
 
 
+# mesh=: a param laid out whole keeps its AdamW moments whole on fewer owner devices (split,
+# they and its gathered update hold more; docs/sharding.md). ZeRO-2 splits them on any count.
+SPLIT_MOMENTS_MIN_DEVICES = 4
+
+
 def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
                    dimension_numbers: Any, axes: Sequence[tuple[str, int]],
-                   specs: Sequence[Spec] | None, threshold: int, where: str) -> TreePlan:
+                   specs: Sequence[Spec] | None, threshold: int, where: str,
+                   jit_form: bool = False) -> TreePlan:
     """Everything static about ``params`` for ``axes`` (owner axes with their sizes);
     ``specs``: each leaf's layout over the mesh (``None``: all whole, as in ``shard_map``)."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -283,7 +289,8 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             matrices.append(dataclasses.replace(leaf, wide=kinds[i][0] == EXCHANGE))
             continue
         local = any(specs[i])   # split by the user: updated where it lies
-        axis = None if local else adamw_shard_axis(shape, n, threshold)
+        whole = local or (jit_form and n < SPLIT_MOMENTS_MIN_DEVICES)
+        axis = None if whole else adamw_shard_axis(shape, n, threshold)
         adamw_leaves.append(AdamWLeaf(i, path, label, shape, axis, padded_shape(shape, axis, n),
                                       local, configs[label].mu_dtype))
     for a in adamw_leaves:   # after the Muon leaves', whose errors say more

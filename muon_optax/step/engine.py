@@ -82,9 +82,8 @@ def tree_plan(opts: Options, params: Any, axes: tuple[tuple[str, int], ...],
     known = getattr(getattr(state, "layout", None), "specs", None)
     specs = leaf_specs(opts, params, known)
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
-                          axes, specs, opts.threshold, opts.name)
-    # One device runs the plain path, also under mesh=. ZeRO-2 on a one-device axis keeps
-    # the sharded path: its collectives make the per-device gradients replicated.
+                          axes, specs, opts.threshold, opts.name, opts.mesh is not None)
+    # One device: the plain path, also under mesh= (ZeRO-2's collectives make grads replicated).
     one = plan.num_devices == 1 and (opts.axes is None or opts.mesh is not None)
     # The state records layouts read from the params (param_specs are in the options).
     seen = None if specs is None or opts.param_specs is not None else tuple(specs)
@@ -108,14 +107,12 @@ def _adamw_grads(plan: TreePlan, comm: Collectives, g_leaves, p_leaves) -> dict[
 def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, late,
                       leaves, reduced: dict, moments, scale, updates: list,
                       muon) -> tuple[Any, Any, Any]:
-    """:func:`_adamw_phase` for ``late`` leaves, after the Muon phase (before it each gathered
-    update would be held through it). On TPU their inputs pass a barrier with the Muon state
-    (and under ``mesh=`` the split Muon updates; ZeRO-2's whole ones a barrier would hold: they
-    wait for one element of each). ``reduced``: ZeRO-2's shares, reduced early for the stats."""
+    """:func:`_adamw_phase` for ``late`` leaves, after the Muon phase (not to hold each gathered
+    update through it): on TPU behind a barrier with the Muon state and (``mesh=``) updates, or
+    one element of each of ZeRO-2's. ``reduced``: ZeRO-2's shares, reduced early for the stats."""
     g_leaves, p_leaves = leaves
     mu, nu = (plan.treedef.flatten_up_to(x) for x in moments)
-    # ZeRO-2's params stay out of the barrier (on one device they are not varying, unlike
-    # its other inputs) and are sliced after it.
+    # ZeRO-2's params (on one device not varying, unlike the rest) are sliced after the barrier.
     ins = [(reduced[a.index], None, mu[a.index], nu[a.index]) if a.index in reduced else
            (g_leaves[a.index], None if p_leaves is None else p_leaves[a.index],
             mu[a.index], nu[a.index]) for a in late]
@@ -252,8 +249,7 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
     count = state.count
     hps = {name: c.at(count) for name, c in opts.configs.items()}
     owners = comm.active and not plan.per_stack_state
-    # AdamW leaves whole on every device but stepped split (ZeRO-2, mesh='s replicated
-    # leaves) go after the Muon phase: their updates are gathered whole.
+    # AdamW leaves whole on every device but stepped split go after the Muon phase (gathered).
     late = tuple(a for a in plan.adamw if a.axis is not None and not a.local) if owners else ()
     early = dataclasses.replace(plan, adamw=tuple(a for a in plan.adamw if a not in late))
     adamw_grads = _adamw_grads(early if comm.grads_reduced else plan, comm, g_leaves, p_leaves)

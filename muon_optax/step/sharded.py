@@ -118,10 +118,9 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
 
 def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int, int]]]:
     """Stack ``sp``'s ``base`` slots in chunks of at most :func:`chunk_bytes`, in runs of equal
-    ones within ``loop_bytes`` (0: off), a run of several one loop. With loops, chunks are as
-    equal as their count allows (or a divisor up to 1.5 times larger), no smaller last chunk a
-    kernel of its own; a lone last matrix takes the first slot some devices do not own, masked
-    there (masked chunks compiled slower). Over 1.5 budgets: :func:`_exchange_runs`."""
+    ones within ``loop_bytes`` (0: off), a run of several one loop. With loops, chunks as equal
+    as their count allows (or a divisor to 1.5x larger); a lone last matrix joins the first slot
+    some devices do not own, masked there. Over 1.5 budgets: :func:`_exchange_runs`."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
     budget = matrices.chunk_bytes(plan)
     spans = matrices.chunks(sp.base, matrix_bytes, budget)
@@ -140,11 +139,9 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
 
 
 def _exchange_runs(base: int, cap: int) -> list[list[tuple[int, int]]]:
-    """An exchange stack's ``base`` slots on TPU: chunks of the largest divisor of ``base`` up
-    to ``cap``, each a run of its own: a loop holds its run's matrices whole, in and out (4 MLP
-    matrices of d1280x20: 299.6 MiB of temporaries, chunk by chunk 98.3 MiB); equal chunks, one
-    polar kernel. A stack within 1.5 budgets still loops (:func:`_runs`): held whole it costs
-    no more than its largest chunk, and chunks out of a loop are kernels of their own."""
+    """An exchange stack's ``base`` slots on TPU: equal chunks (the largest divisor of ``base`` to
+    ``cap``, one polar kernel), each a run of its own: a loop holds its run's matrices in and out
+    (d1280x20's MLP: 299.6 MiB of temporaries, chunk by chunk 98.3; BENCHMARKS.md)."""
     per = max(d for d in range(1, min(cap, base) + 1) if base % d == 0)
     return [[(lo, lo + per)] for lo in range(0, base, per)]
 

@@ -58,7 +58,7 @@ def estimate(tx: optax.GradientTransformation, params: Any, num_devices: int, *,
     for (p, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], specs or ()):
         check_spec(s, x.shape, dict(axes), path_str(p))
     plan = make_tree_plan(params, opts.configs, opts.param_labels, opts.dimension_numbers,
-                          axes, specs, opts.threshold, "estimate")
+                          axes, specs, opts.threshold, "estimate", opts.mesh is not None)
     # each leaf's layout as given (plan.specs: as the engine reads it, whole if it cuts blocks)
     given = specs or [((),) * len(s) for s in plan.specs]
     n, leaves, reduced = num_devices, jax.tree.leaves(params), opts.mesh is not None
