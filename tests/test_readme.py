@@ -195,23 +195,33 @@ def test_testing_guide_chex_test_runs_and_shift_is_only_noise():
     assert float(np.abs(apart).max()) > 1e-4
 
 
-def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch):
+@pytest.mark.parametrize("limit", [None, 4])
+def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch, limit):
     """The ZeRO-2 snippet as pasted (``jax.grad`` inside the ``shard_map``'d step) with
     every TPU form forced on XLA:CPU: its embedding, split over the devices, is stepped
     after the Muon matrices and waits for an element of each Muon update (the barrier
-    and ordering the TPU compiler gets); the step is the CPU form's, bit for bit."""
+    and ordering the TPU compiler gets); the step is the CPU form's, bit for bit. With the
+    all-gather limit lowered under the device count (``limit``), the forms past it: the
+    directions summed by device groups, the AdamW updates gathered flat."""
     from muon_optax.rule import order, platform
-    from muon_optax.step import engine
+    from muon_optax.step import collectives, engine, transport
 
     code = block("state = jax.jit(jax.shard_map(tx.init")
     want = run(code)["params"]
-    waited = []
+    waited, groups = [], []
     monkeypatch.setattr(engine, "first_elements",
                         lambda xs: waited.append(len(xs)) or order.first_elements(xs))
+    if limit is not None:
+        by_groups = transport.GatherSink._by_groups
+        monkeypatch.setattr(collectives, "ALL_GATHER_MAX_DEVICES", limit)
+        monkeypatch.setattr(transport, "ALL_GATHER_MAX_DEVICES", limit)
+        monkeypatch.setattr(transport.GatherSink, "_by_groups",
+                            lambda self, *a: groups.append(a) or by_groups(self, *a))
     for site in ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
                  "remainder"):
         monkeypatch.setitem(platform.FORCED, site, "tpu")
     got = run(code)["params"]
     assert waited == [2]              # after w1's and w2's updates
+    assert bool(groups) == (limit is not None), groups
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)

@@ -70,9 +70,12 @@ class Collectives:
 
     def mean(self, x: jax.Array) -> jax.Array:
         """All-reduce (mean): the small params' gradients."""
-        if not self.active or self.grads_reduced:
-            return x
-        return (jax.lax.psum(x, self.axes) / self.size).astype(x.dtype)
+        return x if not self.active or self.grads_reduced else (
+            self.sum(x) / self.size).astype(x.dtype)
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        """All-reduce (sum): statistics of the shares; the device groups' rows (TPU)."""
+        return jax.lax.psum(x, self.axes) if self.active else x
 
     def mean_scatter(self, x: jax.Array, axis: int) -> jax.Array:
         """Reduce-scatter (mean): this device's 1/N of ``x`` along ``axis``."""
@@ -80,9 +83,8 @@ class Collectives:
             return x
         if self.grads_reduced:
             return self.local(x, axis)
-        y = per_platform(
-            "scatter", x, default=self._sum_scatter(axis),
-            tpu=lambda x: self._sum_scatter_by_exchange_pieces(x, axis, SCATTER_PIECE_BYTES))
+        y = per_platform("scatter", x, default=self._sum_scatter(axis), tpu=lambda x: (
+            self._sum_scatter_by_exchange_pieces(x, axis, SCATTER_PIECE_BYTES)))
         return (y / self.size).astype(x.dtype)
 
     def _sum_scatter(self, axis: int):
@@ -130,8 +132,7 @@ class Collectives:
         cut = max(others, key=lambda a: x.shape[a])
         size = x.shape[cut]
         width = -(-size // -(-x.nbytes // budget))
-        if size >= 128:
-            width = -(-width // 128) * 128
+        width = -(-width // 128) * 128 if size >= 128 else width
         out, prev = [], None
         for c0 in range(0, size, width):
             part = after(jax.lax.slice_in_dim(x, c0, min(size, c0 + width), axis=cut), prev)

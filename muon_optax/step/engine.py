@@ -228,7 +228,7 @@ def _zero2_stats(plan: TreePlan, opts: Options, comm: Collectives, grads: dict,
     split = [grads[a.index][0] for a in plan.adamw if a.axis is not None] + moves.reduced_buffers()
     total = sums([grads[a.index][0] for a in plan.adamw if a.axis is None])
     if split:
-        total = total + jax.lax.psum(sums(split), comm.axes)
+        total = total + comm.sum(sums(split))
     return from_sums(total, opts.max_grad_norm, opts.skip_nonfinite)
 
 
@@ -283,10 +283,8 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
 
 def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
     """The Muon leaves in their block views (:meth:`MatrixLeaf.view`), the others as is."""
-    if leaves is None:
-        return None
-    views = {m.index: m.view(leaves[m.index]) for m in plan.muon}
-    return [views.get(i, x) for i, x in enumerate(leaves)]
+    views = {m.index: m.view(leaves[m.index]) for m in plan.muon} if leaves is not None else {}
+    return None if leaves is None else [views.get(i, x) for i, x in enumerate(leaves)]
 
 
 def local_fns(opts: Options):

@@ -158,7 +158,7 @@ class GatherSink:
         for g, d0 in enumerate(range(0, n, group)):
             mask = d0 + jnp.arange(min(group, n - d0)) == me   # this device's row, if here
             part = jnp.where(mask.reshape((-1,) + (1,) * mine.ndim), mine, jnp.zeros_like(mine))
-            got.append(jax.lax.psum(after(part, got[-1] if got else None), self.comm.axes))
+            got.append(self.comm.sum(after(part, got[-1] if got else None)))
             for st, m, spans, size in ready.get(g, []):
                 x = jnp.stack([got[d // group][d % group, at // lane:(at + size) // lane]
                                for d, at in spans])
