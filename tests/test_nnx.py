@@ -171,6 +171,31 @@ def test_mesh_nnx_optimizer_learns_the_layout(one_device, shape, axis_type, tp):
         np.testing.assert_allclose(got_params[path], want, rtol=1e-4, atol=1e-5, err_msg=path)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_mesh_nnx_optimizer_keeps_replicated_adamw_moments_whole_below_4_devices(
+        one_device, axis_type, n):
+    """Data parallel under plain jit (params replicated, ``nnx.Optimizer``,
+    ``nnx.value_and_grad``): on 2 devices the embedding's and head's AdamW moments are
+    whole on each (their update not gathered), on 4 split; training follows one device."""
+    mesh = _mesh((n,), axis_type)
+    with jax.set_mesh(mesh):
+        model = g.GPT(nnx.Rngs(0))
+        state = nnx.as_pure(nnx.state(model, nnx.Param))
+        nnx.update(model, jax.tree.map(
+            lambda x: jax.device_put(x, NamedSharding(mesh, P())), state))
+        opt = nnx.Optimizer(model, g.make_tx(axis_name="data", mesh=mesh), wrt=nnx.Param)
+        losses = _train(model, opt)
+    moments = nnx.as_pure(opt.opt_state)
+    for x in (moments.mu["embed"]["embedding"], moments.nu["lm_head"]["kernel"]):
+        assert x.sharding.is_fully_replicated == (n < 4), (n, x.sharding)
+    want_losses, want_params, _ = one_device
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    got_params = _pure_params(model)
+    for path, want in want_params.items():
+        np.testing.assert_allclose(got_params[path], want, rtol=1e-4, atol=1e-5, err_msg=path)
+
+
 def test_mesh_nnx_optimizer_in_the_tpu_forms(one_device, monkeypatch):
     """The FSDP run above (nnx.Optimizer, ``nnx.value_and_grad``) with the transports in
     their TPU form, cut into pieces and ordered by the TPU's optimization barriers
