@@ -283,8 +283,10 @@ def local_update(plan: TreePlan, opts: Options, grads, state, params,
 
 def _block_views(plan: TreePlan, leaves: list | None) -> list | None:
     """The Muon leaves in their block views (:meth:`MatrixLeaf.view`), the others as is."""
-    views = {m.index: m.view(leaves[m.index]) for m in plan.muon} if leaves is not None else {}
-    return None if leaves is None else [views.get(i, x) for i, x in enumerate(leaves)]
+    if leaves is None:
+        return None
+    views = {m.index: m.view(leaves[m.index]) for m in plan.muon}
+    return [views.get(i, x) for i, x in enumerate(leaves)]
 
 
 def local_fns(opts: Options):

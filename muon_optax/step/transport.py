@@ -111,9 +111,8 @@ class GatherSink:
     def _completed_by(self, piece_of) -> dict[int, list]:
         """Piece -> the members it completes (their matrices' last ``piece_of(d, at, size)``)."""
         ready: dict[int, list] = {}
-        for k in self.channel.stacks:
+        for k, size in zip(self.channel.stacks, self.sizes):
             sp = self.owner.stacks[k]
-            size = sp.stack.rows * sp.stack.cols
             for m, spans in zip(sp.stack.members, rows.member_spans(self.channel, k, sp, size)):
                 last = max(piece_of(d, at, size) for d, at in spans)
                 ready.setdefault(last, []).append((sp.stack, m, spans, size))
@@ -122,11 +121,10 @@ class GatherSink:
     def _whole(self, buffer: jax.Array) -> dict[int, jax.Array]:
         everything = self.comm.gather(buffer, 0).reshape(self.comm.size, -1)
         out = {}
-        for k in self.channel.stacks:
+        for k, size in zip(self.channel.stacks, self.sizes):
             sp = self.owner.stacks[k]
             st = sp.stack
-            for m, x in zip(st.members, rows.member_rows(everything, self.channel, k, sp,
-                                                         st.rows * st.cols)):
+            for m, x in zip(st.members, rows.member_rows(everything, self.channel, k, sp, size)):
                 out[m.index] = m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
         return out
 
