@@ -265,3 +265,24 @@ def tiny_lm_loss(params, tokens):
     """:func:`tiny_lm`'s loss: embed, a residual MLP, reconstruct the embedding."""
     h = params["embed"][tokens] * params["gain"]
     return jnp.mean((jax.nn.relu(h @ params["w1"]) @ params["w2"] - h) ** 2)
+
+
+# Every site with a TPU form but "polar" (CPU: a form of its own), for the tests that force
+# them all on XLA:CPU through muon_optax.rule.platform.FORCED.
+TPU_SITES = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
+             "remainder")
+
+
+def lower_all_gather_limit(m, limit: int) -> list[int]:
+    """The all-gather device limit set to ``limit`` through ``m`` (a pytest ``MonkeyPatch``),
+    so that a few CPU devices take the TPU forms past it; returns the list into which each
+    :meth:`GatherSink._by_groups` call puts its group size."""
+    from muon_optax.step import collectives as step_collectives
+    from muon_optax.step import transport
+
+    m.setattr(step_collectives, "ALL_GATHER_MAX_DEVICES", limit)
+    m.setattr(transport, "ALL_GATHER_MAX_DEVICES", limit)
+    groups, by_groups = [], transport.GatherSink._by_groups
+    m.setattr(transport.GatherSink, "_by_groups",
+              lambda self, b, g: groups.append(g) or by_groups(self, b, g))
+    return groups

@@ -13,6 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 from muon_optax.step.collectives import Collectives, row_slice
 
+try:
+    from . import sharded_problem as sp
+except ImportError:
+    import sharded_problem as sp
+
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
 N = 8
@@ -96,11 +101,6 @@ def test_directions_gathered_in_parts_equal_the_whole_gather(form, size):
     import muon_optax
     from muon_optax.step.transport import GatherSink
 
-    try:
-        from . import sharded_problem as sp
-    except ImportError:
-        import sharded_problem as sp
-
     params = sp.make_params()
     tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data")
     owner = tx.init.plan(params, N).owner
@@ -142,11 +142,6 @@ def _fsdp_step(monkeypatch, width, barriers=False):
     import muon_optax
     from muon_optax.rule import platform
     from muon_optax.step import exchange
-
-    try:
-        from . import sharded_problem as sp
-    except ImportError:
-        import sharded_problem as sp
 
     if width is not None:   # every transport in its TPU form (FSDP's gather stacks too)
         for site in ("exchange", "gather") + (("order",) if barriers else ()):
@@ -190,11 +185,6 @@ def test_scatter_pieces_narrow_with_more_devices():
     64-chip v5p a row is about one largest matrix: whole-row pieces were the whole buffer)."""
     import muon_optax
     from muon_optax.step import transport
-
-    try:
-        from . import sharded_problem as sp
-    except ImportError:
-        import sharded_problem as sp
 
     params = sp.make_params()
     tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data")
@@ -339,20 +329,13 @@ def test_zero2_tpu_form_past_the_all_gather_limit(monkeypatch):
     devices, the limit lowered to 4): the directions come back by device groups and the
     AdamW updates are gathered flat (every all-gather 1-D). Two steps equal the CPU
     form's to rounding."""
-    from muon_optax.step import collectives, transport
+    from muon_optax.step import transport
 
-    sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
-             "remainder")
     with monkeypatch.context() as m:
         want, _ = _two_steps("zero2", (), m, n=8)
     with monkeypatch.context() as m:
-        m.setattr(collectives, "ALL_GATHER_MAX_DEVICES", 4)
-        m.setattr(transport, "ALL_GATHER_MAX_DEVICES", 4)
-        groups = []
-        real = transport.GatherSink._by_groups
-        m.setattr(transport.GatherSink, "_by_groups",
-                  lambda self, b, g: groups.append(g) or real(self, b, g))
-        got, hlo = _two_steps("zero2", sites, m, n=8)
+        groups = sp.lower_all_gather_limit(m, 4)
+        got, hlo = _two_steps("zero2", sp.TPU_SITES, m, n=8)
     assert groups == [transport.PIECE_MATRICES]
     gathers = [line for line in hlo.splitlines() if '"stablehlo.all_gather"' in line]
     assert gathers and all(re.search(r": \(tensor<\d+xf32>\) -> tensor<\d+xf32>$", line)
@@ -409,8 +392,7 @@ def test_tpu_form_runs_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch, con
     The same steps, the unowned slots' state included, to rounding: XLA:CPU fuses the
     kernel inside a ``cond`` otherwise (1.5e-8 apart in the params after two steps; an
     unmasked state is 0.1 off)."""
-    sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
-             "remainder")
+    sites = sp.TPU_SITES
     with monkeypatch.context() as m:
         cpu_skips = _skips(m)
         want, cpu_hlo = _two_steps(contender, (), m, n=n, layers=layers)
@@ -470,8 +452,7 @@ def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, 
     as the CPU form, to rounding (the kernel inside a ``cond`` fuses otherwise)."""
     from muon_optax.step import matrices
 
-    sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
-             "remainder")
+    sites = sp.TPU_SITES
     with monkeypatch.context() as m:
         cpu_skips = _skips(m)
         want, cpu_hlo = _two_steps(contender, (), m, layers=layers, chunk=chunk)
@@ -498,8 +479,7 @@ def test_tpu_form_runs_stacks_of_fewer_matrices_than_devices_masked(monkeypatch,
     device runs it and keeps the owner's state (a ``cond`` holds its operands and results
     at once: FSDP d1280x20 on 64 v5p chips, 296.3 MiB of temporaries against 179.5). The
     same steps, the unowned slots' state included, to rounding."""
-    sites = ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
-             "remainder")
+    sites = sp.TPU_SITES
     with monkeypatch.context() as m:
         cpu_skips = _skips(m)
         want, _ = _two_steps(contender, (), m, n=8, layers=1)

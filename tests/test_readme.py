@@ -11,6 +11,11 @@ import pytest
 
 import muon_optax
 
+try:
+    from . import sharded_problem as sp
+except ImportError:
+    import sharded_problem as sp
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [b for doc in DOCS for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
@@ -204,7 +209,7 @@ def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch, limit
     all-gather limit lowered under the device count (``limit``), the forms past it: the
     directions summed by device groups, the AdamW updates gathered flat."""
     from muon_optax.rule import order, platform
-    from muon_optax.step import collectives, engine, transport
+    from muon_optax.step import engine
 
     code = block("state = jax.jit(jax.shard_map(tx.init")
     want = run(code)["params"]
@@ -212,13 +217,8 @@ def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch, limit
     monkeypatch.setattr(engine, "first_elements",
                         lambda xs: waited.append(len(xs)) or order.first_elements(xs))
     if limit is not None:
-        by_groups = transport.GatherSink._by_groups
-        monkeypatch.setattr(collectives, "ALL_GATHER_MAX_DEVICES", limit)
-        monkeypatch.setattr(transport, "ALL_GATHER_MAX_DEVICES", limit)
-        monkeypatch.setattr(transport.GatherSink, "_by_groups",
-                            lambda self, *a: groups.append(a) or by_groups(self, *a))
-    for site in ("exchange", "gather", "scatter", "order", "late_adamw", "tiles", "loop",
-                 "remainder"):
+        groups = sp.lower_all_gather_limit(monkeypatch, limit)
+    for site in sp.TPU_SITES:
         monkeypatch.setitem(platform.FORCED, site, "tpu")
     got = run(code)["params"]
     assert waited == [2]              # after w1's and w2's updates

@@ -220,8 +220,7 @@ class TreePlan:
     adamw: tuple[AdamWLeaf, ...]
     muon: tuple[layout.MatrixLeaf, ...]
     owner: OwnerPlan
-    # One device (no owner axes, or mesh= on one device): each stack's Muon state in the
-    # stack's own (K, R, C) layout, run by muon_optax.step.one_device.
+    # One device (no owner axes, or mesh= on one): Muon state per stack, (K, R, C) (one_device).
     per_stack_state: bool = False
     # mesh=: each leaf's layout as read from the placed params, recorded in the state.
     given: tuple[Spec, ...] | None = None
@@ -283,9 +282,8 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             leaf = layout.matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             # Stored long side last (``wide``), an MLP's two matrices share a stack: one program
-            # (on TPU, a fifth less kernel code). Only for an exchange, which transposes a tall
-            # matrix a chunk at a time: whole leaves (gathered, or a one-device loop's chunks)
-            # stay as laid out, their transposes alive together (BENCHMARKS.md, "Means tried").
+            # (TPU: a fifth less kernel code). Only for an exchange (a tall matrix transposed a
+            # chunk at a time): whole leaves stay as laid out (BENCHMARKS.md, "Means tried").
             matrices.append(dataclasses.replace(leaf, wide=kinds[i][0] == EXCHANGE))
             continue
         local = any(specs[i])   # split by the user: updated where it lies

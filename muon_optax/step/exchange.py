@@ -216,8 +216,7 @@ class ExchangeSink:
         self.channel = owner.back[dtype]
         length, width = self.channel.length, max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
-        # Pieces are written as (N, width) rows (in lanes the stores left more temporaries),
-        # sent in lanes: a holder reads its blocks by slices.
+        # Written as (N, width) rows (lanes left more temporaries), sent in lanes (read by slices).
         self.lane = rows.lane_of(dtype, width, length, self.channel.offsets,
                                  [owner.stacks[k].route.block_size for k in self.channel.stacks])
 
@@ -249,9 +248,8 @@ class ExchangeSink:
 
         if self.comm.size == 1:
             return acc._replace(buffer=whole())
-        # TPU: the rows go into the unsent pieces they may fall in on some device; those
-        # complete after this store are sent (stacks and slots lie in the channel in order:
-        # the next write on every device starts past them), so the first len(acc.got).
+        # TPU: rows go into the unsent pieces they may fall in on some device; those complete after
+        # this store (slots lie in the channel in order) are sent: the first len(acc.got).
         size, offsets = sp.route.block_size, np.asarray(self.channel.offsets[k])
         lo, hi = int(offsets.min()) + j0 * size, int(offsets.max()) + (j0 + n) * size
         unsent = range(len(acc.got), len(self.bounds))

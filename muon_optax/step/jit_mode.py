@@ -67,8 +67,7 @@ def wrap_in_shard_map(opts: Options):
         # Clipping and finiteness read the whole gradient: taken on the global arrays.
         stats = (global_stats(grads, opts.max_grad_norm, skip)
                  if opts.max_grad_norm is not None or skip else GradStats(None, None))
-        # Traced hyperparameters (optax.inject_hyperparams') enter as arguments: a
-        # shard_map may not close over arrays on Explicit axes.
+        # Traced hyperparameters enter as arguments: shard_map can't close over Explicit arrays.
         extras = (stats, _array_hparams(opts))
         extra_specs = jax.tree.map(lambda _: P(), extras)
         extras = jax.tree.map(moved, extras, extra_specs)

@@ -109,8 +109,7 @@ def _base_loop(k, sp: StackPlan, plan, moves, scale, carry, bufs: MuonBuffers, h
     g_all = jnp.concatenate(gs) if len(gs) > 1 else gs[0]
     hp_all = matrices.matrix_hparams(st, hps, sp.slots[:, lo:lo + n], comm.pick)
     o_all, bufs, d_all = matrices.kernel_in_loop(st, g_all, per, hp_all, bufs, read, write, count)
-    # An unowned slot's direction and <U, O> are never read: its store keeps what is
-    # there, and _leaf_duals reads owned slots only.
+    # Never read: an unowned slot's direction (its store keeps what is there) and <U, O>.
     for a, b in parts:
         carry = moves.store(carry, k, a, o_all[a - lo:b - lo], _owned(sp, comm, a))
     return carry, bufs, o_all, d_all

@@ -104,9 +104,17 @@ class GatherSink:
         del local_shapes   # every device gets the whole leaves
         if not self.comm.active:
             return self._whole(acc)
-        return per_platform("gather", acc, default=self._whole, tpu=lambda b: self._by_groups(
-            b, PIECE_MATRICES) if self.comm.size > ALL_GATHER_MAX_DEVICES else self._by_pieces(
-                b, scatter_piece(self.owner)))
+        return per_platform("gather", acc, default=self._whole, tpu=self._on_tpu)
+
+    def _on_tpu(self, buffer: jax.Array) -> dict[int, jax.Array]:
+        """Past :data:`ALL_GATHER_MAX_DEVICES` by device groups, else in column pieces."""
+        if self.comm.size > ALL_GATHER_MAX_DEVICES:
+            return self._by_groups(buffer, PIECE_MATRICES)
+        return self._by_pieces(buffer, scatter_piece(self.owner))
+
+    @staticmethod
+    def _leaf(st, m, x: jax.Array) -> jax.Array:   # member m's rows of x as its leaf
+        return m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
 
     def _completed_by(self, piece_of) -> dict[int, list]:
         """Piece -> the members it completes (their matrices' last ``piece_of(d, at, size)``)."""
@@ -123,9 +131,8 @@ class GatherSink:
         out = {}
         for k, size in zip(self.channel.stacks, self.sizes):
             sp = self.owner.stacks[k]
-            st = sp.stack
-            for m, x in zip(st.members, rows.member_rows(everything, self.channel, k, sp, size)):
-                out[m.index] = m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
+            got = rows.member_rows(everything, self.channel, k, sp, size)
+            out.update({m.index: self._leaf(sp.stack, m, x) for m, x in zip(sp.stack.members, got)})
         return out
 
     def _by_pieces(self, buffer: jax.Array, piece: int) -> dict[int, jax.Array]:
@@ -142,7 +149,7 @@ class GatherSink:
             prev = got[-1]
             for st, m, spans, size in ready.get(p, []):
                 x = jnp.stack([rows.span(got, bounds, d, at, size, lane) for d, at in spans])
-                out[m.index] = m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
+                out[m.index] = self._leaf(st, m, x)
         return out
 
     def _by_groups(self, buffer: jax.Array, group: int) -> dict[int, jax.Array]:
@@ -160,7 +167,7 @@ class GatherSink:
             for st, m, spans, size in ready.get(g, []):
                 x = jnp.stack([got[d // group][d % group, at // lane:(at + size) // lane]
                                for d, at in spans])
-                out[m.index] = m.from_stored(rows.shaped(x, (m.batch, st.rows, st.cols)))
+                out[m.index] = self._leaf(st, m, x)
         return out
 
 
