@@ -368,8 +368,8 @@ def test_tpu_forms_with_tiled_buffers_and_loops_equal_the_cpu_form(monkeypatch, 
         tiles, tiles_hlo = _two_steps(contender, sites + ("tiles", "loop"), m)
     assert tiles_hlo != rows_hlo           # the tile order is taken
     loops = [h.count("stablehlo.while") for h in (cpu_hlo, rows_hlo, tiles_hlo)]
-    if contender == "fsdp":   # exchange stacks only: chunk by chunk (sharded._exchange_runs)
-        assert loops[2] == loops[1] == loops[0], loops
+    if contender in ("fsdp", "heads_tp"):   # exchange and local stacks: chunk by chunk, no
+        assert loops[2] == loops[1] == loops[0], loops   # loop (sharded._unlooped_runs)
     else:   # and the chunks in a loop: one kernel (one polar loop) where the other forms
         # have one for each chunk
         assert loops[2] < loops[1] == loops[0], loops
@@ -387,7 +387,7 @@ def test_tpu_form_runs_a_slot_some_devices_do_not_own_in_a_loop(monkeypatch, con
     wide in c_fc's stack, 2 and one more).
     The CPU form skips that slot under a ``cond`` where not owned; the TPU form runs it
     in a loop with the chunk, its state and direction kept as they were where not owned
-    (ZeRO-2). FSDP's exchange stacks never loop (``sharded._exchange_runs``): that slot
+    (ZeRO-2). FSDP's exchange stacks never loop (``sharded._unlooped_runs``): that slot
     runs on its own, masked the same way (no ``cond`` on TPU).
     The same steps, the unowned slots' state included, to rounding: XLA:CPU fuses the
     kernel inside a ``cond`` otherwise (1.5e-8 apart in the params after two steps; an
@@ -448,7 +448,7 @@ def test_tpu_form_with_chunks_over_the_budget_and_a_slot_in_a_cond(monkeypatch, 
     every device, its state kept where not owned). FSDP (c_proj stored wide, in c_fc's
     stack: its 22 MLP matrices balance against the attention's), 11 layers, chunks of 2: 6
     attention matrices a device in chunks of 2, no loop (an exchange stack's chunks are
-    never over the budget: ``sharded._exchange_runs``), the rest one by one. The same steps
+    never over the budget: ``sharded._unlooped_runs``), the rest one by one. The same steps
     as the CPU form, to rounding (the kernel inside a ``cond`` fuses otherwise)."""
     from muon_optax.step import matrices
 

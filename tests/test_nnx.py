@@ -259,7 +259,7 @@ def test_mesh_nnx_optimizer_with_tiled_buffers_and_tpu_chunks(monkeypatch):
     """The README's FSDP run (nnx.Optimizer, ``nnx.value_and_grad``, ``mesh=``) at width
     128, whose matrices and blocks are whole (8, 128) tiles, with chunks of one
     (128, 128) matrix: every TPU form forced on XLA:CPU (pieces, barriers, buffers in tile
-    order, an exchange stack's chunks one by one, no loop: ``sharded._exchange_runs``)
+    order, an exchange stack's chunks one by one, no loop: ``sharded._unlooped_runs``)
     trains bit for bit as the CPU form."""
     from muon_optax.step import matrices, rows, sharded
 
@@ -288,7 +288,7 @@ def test_mesh_nnx_optimizer_with_a_slot_some_devices_do_not_own_in_a_loop(monkey
     Explicit axes) on 4 devices with 5 layers: the MLP stack (c_fc, and c_proj stored wide)
     is two matrices a device and one more on two of them. In the TPU forms (forced on
     XLA:CPU) that slot runs on its own (an exchange stack never loops:
-    ``sharded._exchange_runs``) on every device, masked where not owned (the CPU form:
+    ``sharded._unlooped_runs``) on every device, masked where not owned (the CPU form:
     under a ``cond``); training follows the CPU form to rounding (XLA:CPU fuses the kernel
     inside a ``cond`` otherwise; three steps carry it to 3e-7). The unowned slots' state is
     checked in tests/test_collectives.py."""
@@ -315,7 +315,7 @@ def test_mesh_nnx_optimizer_with_equal_chunks_under_the_budget(monkeypatch):
     matrices. In the TPU forms (forced on XLA:CPU) each device's 10 attention matrices
     of a stack go in 5 chunks of 2 (the CPU form: 4, 4 and 2), and its 5 MLP matrices
     (c_fc, and c_proj stored wide) one by one, none in a loop (an exchange stack:
-    ``sharded._exchange_runs``). Training follows the CPU form to rounding. (A slot under
+    ``sharded._unlooped_runs``). Training follows the CPU form to rounding. (A slot under
     a ``cond``, which 2 devices no longer have: tests/test_collectives.py.)"""
     from muon_optax.step import matrices, sharded
 

@@ -127,7 +127,7 @@ def test_sharded_kernels_do_not_grow_with_layers(chips, monkeypatch, contender):
     one: on TPU equal chunks run as one kernel in a loop, so the program's kernels stay
     (with the CPU's form forced, one kernel a chunk, they double). FSDP's exchange stacks
     over 1.5 chunk budgets are stepped chunk by chunk, not looped (a loop held its run's
-    matrices whole, in and out: ``sharded._exchange_runs``), so its lowered program
+    matrices whole, in and out: ``sharded._unlooped_runs``), so its lowered program
     doubles too; the compiler builds the equal chunks' kernels once."""
     from muon_optax.rule import platform
 

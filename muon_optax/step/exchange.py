@@ -14,7 +14,7 @@ import numpy as np
 
 from muon_optax.plan.plan import OwnerPlan, StackPlan
 from muon_optax.plan.routes import EXCHANGE
-from muon_optax.rule.order import wait_for
+from muon_optax.rule.order import after, wait_for
 from muon_optax.rule.platform import per_platform
 from muon_optax.step import rows
 from muon_optax.step.collectives import Collectives, Cost, flat_rows, row_slice
@@ -290,7 +290,9 @@ class ExchangeSink:
         a, b = max(0, c0 - last), min(length, c0 + width - first)
         padded = jnp.pad(blocks[:, a:b], ((0, 0), (width, width)))
         window = rows.dynamic_slice(padded, c0 - start - a + width, width, 1)
-        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
+        # + a 0 from the blocks: else the TPU compiler makes all masks at the start (13 MiB).
+        ready = after(jnp.zeros((), jnp.float32), blocks).astype(np.int32)
+        cols = c0 + ready + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
         mask = (cols >= start) & (cols < start + length)
         if owned is not None:
             mask = mask & owned

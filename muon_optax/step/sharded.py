@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from muon_optax.plan.plan import StackPlan, TreePlan
-from muon_optax.plan.routes import EXCHANGE
+from muon_optax.plan.routes import EXCHANGE, LOCAL
 from muon_optax.rule.muon import MuonStackState
 from muon_optax.rule.order import after
 from muon_optax.rule.platform import per_platform
@@ -119,13 +119,13 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
     """Stack ``sp``'s ``base`` slots in chunks of at most :func:`chunk_bytes`, in runs of equal
     ones within ``loop_bytes`` (0: off), a run of several one loop. With loops, chunks as equal
     as their count allows (or a divisor to 1.5x larger); a lone last matrix joins the first slot
-    some devices do not own, masked there. Over 1.5 budgets: :func:`_exchange_runs`."""
+    some devices do not own, masked there. Over 1.5 budgets: :func:`_unlooped_runs`."""
     matrix_bytes = 4 * sp.stack.rows * sp.stack.cols
     budget = matrices.chunk_bytes(plan)
     spans = matrices.chunks(sp.base, matrix_bytes, budget)
-    if (loop_bytes and spans and sp.transport == EXCHANGE
+    if (loop_bytes and spans and sp.transport in (EXCHANGE, LOCAL)
             and 2 * sp.base * matrix_bytes > 3 * budget):
-        return _exchange_runs(sp.base, spans[0][1] - spans[0][0])
+        return _unlooped_runs(sp.base, spans[0][1] - spans[0][0])
     if loop_bytes and spans:   # 6 slots in chunks of 3 and 3, not 4 and 2: one kernel
         per, cap = -(-sp.base // len(spans)), spans[0][1] - spans[0][0]
         if sp.base % per:   # 10 in chunks of 5 and 5, not 4, 4 and 2: one kernel
@@ -137,10 +137,9 @@ def _runs(sp: StackPlan, plan: TreePlan, loop_bytes: int) -> list[list[tuple[int
     return runs
 
 
-def _exchange_runs(base: int, cap: int) -> list[list[tuple[int, int]]]:
-    """An exchange stack's ``base`` slots on TPU: equal chunks (the largest divisor of ``base`` to
-    ``cap``, one polar kernel), each a run of its own: a loop holds its run's matrices in and out
-    (d1280x20's MLP: 299.6 MiB of temporaries, chunk by chunk 98.3; BENCHMARKS.md)."""
+def _unlooped_runs(base: int, cap: int) -> list[list[tuple[int, int]]]:
+    """An exchange or local stack's slots on TPU: equal chunks (``base``'s largest divisor to
+    ``cap``: one kernel), each a run of its own: a loop holds its run in and out (BENCHMARKS.md)."""
     per = max(d for d in range(1, min(cap, base) + 1) if base % d == 0)
     return [[(lo, lo + per)] for lo in range(0, base, per)]
 

@@ -106,8 +106,7 @@ class GatherSink:
             return self._whole(acc)
         return per_platform("gather", acc, default=self._whole, tpu=self._on_tpu)
 
-    def _on_tpu(self, buffer: jax.Array) -> dict[int, jax.Array]:
-        """Past :data:`ALL_GATHER_MAX_DEVICES` by device groups, else in column pieces."""
+    def _on_tpu(self, buffer: jax.Array) -> dict[int, jax.Array]:   # groups, or column pieces
         if self.comm.size > ALL_GATHER_MAX_DEVICES:
             return self._by_groups(buffer, PIECE_MATRICES)
         return self._by_pieces(buffer, scatter_piece(self.owner))
@@ -172,17 +171,19 @@ class GatherSink:
 
 
 class LocalSource:
-    """The ``"local"`` stacks: each device's own matrices (its batch block of each leaf)."""
+    """The ``"local"`` stacks: each device's own matrices (its block of each leaf), by chunk."""
 
     def __init__(self, owner: OwnerPlan, leaves: list[jax.Array]):
         self.owner, self.leaves = owner, leaves
 
     def load(self, held: dict, k: int, j0: int, n: int, prev: jax.Array | None):
-        if k not in held:
-            st = self.owner.stacks[k].stack
-            parts = [m.to_stored(after(self.leaves[m.index], prev)) for m in st.members]
-            held = {k: jnp.concatenate(parts) if len(parts) > 1 else parts[0]}
-        return held[k][j0:j0 + n], held
+        parts, start = [], 0
+        for m in self.owner.stacks[k].stack.members:
+            x = m.to_stored(after(self.leaves[m.index], prev))
+            if max(j0, start) < min(j0 + n, start + x.shape[0]):
+                parts.append(x[max(j0 - start, 0):j0 + n - start])
+            start += x.shape[0]
+        return jnp.concatenate(parts), held
 
 
 class LocalSink:
@@ -199,10 +200,8 @@ class LocalSink:
     def finish(self, acc: dict, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         out = {}
         for k, parts in acc.items():
-            st = self.owner.stacks[k].stack
-            full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-            start = 0
-            for m in st.members:
+            full, start = jnp.concatenate(parts), 0
+            for m in self.owner.stacks[k].stack.members:
                 count = math.prod(local_shapes[m.index][a] for a in m.batch_axes)  # in this block
                 out[m.index] = m.from_stored(full[start:start + count], local_shapes[m.index])
                 start += count
