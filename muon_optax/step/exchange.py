@@ -260,8 +260,10 @@ class ExchangeSink:
 
         def tpu():
             new = dict(parts)
+            # + a 0 made from O: else the TPU compiler makes every mask at the start (13 MiB).
+            ready = start + after(jnp.zeros((), jnp.float32), o).astype(np.int32)
             for p in touched:
-                new[p] = self._into(parts[p], blocks, start, self.bounds[p][0], lo,
+                new[p] = self._into(parts[p], blocks, ready, self.bounds[p][0], lo,
                                     int(offsets.max()) + j0 * size, owned)
             got = [self.comm.exchange(rows.lanes(new[p], lane)) for p in done]
             last = got[-1] if got else new[touched[-1]] if touched else blocks
@@ -290,9 +292,7 @@ class ExchangeSink:
         a, b = max(0, c0 - last), min(length, c0 + width - first)
         padded = jnp.pad(blocks[:, a:b], ((0, 0), (width, width)))
         window = rows.dynamic_slice(padded, c0 - start - a + width, width, 1)
-        # + a 0 from the blocks: else the TPU compiler makes all masks at the start (13 MiB).
-        ready = after(jnp.zeros((), jnp.float32), blocks).astype(np.int32)
-        cols = c0 + ready + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
+        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
         mask = (cols >= start) & (cols < start + length)
         if owned is not None:
             mask = mask & owned
