@@ -25,8 +25,7 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 # On TPU a large gradient's reduce-scatter goes in pieces of at most this many bytes.
 SCATTER_PIECE_BYTES = 64 * 2**20
-# The most devices whose all-gathers the TPU compiler keeps (v5p 4x4x4: an all-reduce of a
-# zero-filled buffer; 2x4x4 and smaller: an all-gather).
+# The most devices whose all-gathers stay all-gathers on TPU (v5p 4x4x4: a zero-filled all-reduce).
 ALL_GATHER_MAX_DEVICES = 32
 
 

@@ -177,12 +177,13 @@ class LocalSource:
         self.owner, self.leaves = owner, leaves
 
     def load(self, held: dict, k: int, j0: int, n: int, prev: jax.Array | None):
-        parts, start = [], 0
-        for m in self.owner.stacks[k].stack.members:
-            x = m.to_stored(after(self.leaves[m.index], prev))
-            if max(j0, start) < min(j0 + n, start + x.shape[0]):
+        st, parts, start = self.owner.stacks[k].stack, [], 0
+        for m in st.members:   # only the members in slots j0 .. j0+n are traced
+            count = self.leaves[m.index].size // (st.rows * st.cols)   # in this device's block
+            if max(j0, start) < min(j0 + n, start + count):
+                x = m.to_stored(after(self.leaves[m.index], prev))
                 parts.append(x[max(j0 - start, 0):j0 + n - start])
-            start += x.shape[0]
+            start += count
         return jnp.concatenate(parts), held
 
 
