@@ -342,6 +342,88 @@ def test_mesh_nnx_optimizer_with_equal_chunks_under_the_budget(monkeypatch):
         _close_but_mask_flips(got[path], x, path)
 
 
+def _heads_spec(path: str, x) -> P:
+    """Megatron-style tensor parallelism over ``"model"``: attention kernels and biases
+    split on heads, the MLP's first matrix on its outputs, its second on its inputs."""
+    if any(f"{k}/" in path for k in ("query", "key", "value")):
+        return P(None, "model", None) if path.endswith("kernel") else P("model", None)
+    return {"attn/out/kernel": P("model", None, None), "fc/kernel": P(None, "model"),
+            "fc/bias": P("model"), "proj/kernel": P("model", None)}.get(
+        path.split("/", 2)[-1], P())
+
+
+def _per_head(params):
+    """Per-head Muon blocks of nnx.MultiHeadAttention's kernels (docs/options.md)."""
+    D = muon_optax.MuonDimensionNumbers
+
+    def dims(path, _):
+        name = muon_optax.path_str(path)
+        if any(f"{k}/kernel" in name for k in ("query", "key", "value")):
+            return D(0, (1, 2), output_blocks=g.HEADS)
+        return D((0, 1), 2, reduction_blocks=g.HEADS) if "out/kernel" in name else None
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def _head_parallel_training(monkeypatch, forms, axis_type):
+    """Per-head blocks under head-parallel tensor parallelism, the README's way: Flax's
+    modules placed on a ``("data", "model")`` mesh, ``muon_adamw(axis_name="model",
+    mesh=)`` through ``nnx.Optimizer`` and ``nnx.value_and_grad``, with the sites
+    ``forms`` in their TPU form (forced on XLA:CPU); chunks of 4 head blocks."""
+    from muon_optax.rule import platform
+    from muon_optax.step import matrices
+
+    head_bytes = 4 * g.D * (g.D // g.HEADS)
+    with monkeypatch.context() as m:
+        for site in forms:
+            m.setitem(platform.FORCED, site, "tpu")
+        m.setattr(matrices, "chunk_bytes", lambda plan: 4 * head_bytes)
+        mesh = _mesh((2, 2), axis_type)
+        with jax.set_mesh(mesh):
+            model = g.GPT(nnx.Rngs(0))
+            params = nnx.as_pure(nnx.state(model, nnx.Param))
+            nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(
+                x, NamedSharding(mesh, _heads_spec(muon_optax.path_str(p), x))), params))
+            params = nnx.as_pure(nnx.state(model, nnx.Param))   # placed
+            tx = g.make_tx(axis_name="model", mesh=mesh, dimension_numbers=_per_head)
+            opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            ops = g.optimizer_collectives(tx, opt, model, mesh.size)
+            step = _explicit_step() if axis_type == AxisType.Explicit else g.train_step
+            return _train(model, opt, step=step), _pure_params(model), tx, params, ops
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                         ids=["auto", "explicit"])
+def test_head_parallel_nnx_optimizer_in_the_tpu_forms(monkeypatch, axis_type):
+    """Head-parallel attention with per-head blocks: each device's heads are updated where
+    they lie (q, k and v blocks stored wide, one local stack with the output projection's),
+    only the MLP's matrices move (all-to-all). In the TPU forms (forced on XLA:CPU) the
+    local stack's 16 blocks a device go in 4 chunks, none in a loop, each loaded from its
+    leaves (``sharded._unlooped_runs``); training follows the CPU form, and that follows
+    the one-device run with the same blocks."""
+    from muon_optax.step import sharded
+
+    runs, real_runs = [], sharded._unlooped_runs
+    monkeypatch.setattr(sharded, "_unlooped_runs",
+                        lambda base, cap: runs.append((base, cap)) or real_runs(base, cap))
+    want_losses, want, tx, params, ops = _head_parallel_training(monkeypatch, (), axis_type)
+    assert set(ops) == {"all-to-all"}, ops            # the MLP's; no head moves
+    rows = {r["path"]: r for r in muon_optax.describe(tx, params)}
+    stacks = {rows[f"blocks/0/attn/{k}/kernel"]["stack"] for k in ("query", "value", "out")}
+    assert len(stacks) == 1, stacks                    # (head_dim, d) blocks, one stack
+    runs.clear()   # (the CPU run traces the TPU form too)
+    got_losses, got, *_ = _head_parallel_training(monkeypatch, TPU_FORMS, axis_type)
+    assert (4 * g.LAYERS * g.HEADS // 2, 4) in runs, runs   # 16 blocks in chunks of 4
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    for path, x in want.items():
+        _close_but_mask_flips(got[path], x, path)
+
+    model = g.GPT(nnx.Rngs(0))                          # one device, the same blocks
+    one = nnx.Optimizer(model, g.make_tx(dimension_numbers=_per_head), wrt=nnx.Param)
+    np.testing.assert_allclose(_train(model, one), want_losses, rtol=1e-5)
+    for path, x in _pure_params(model).items():
+        np.testing.assert_allclose(want[path], x, rtol=1e-4, atol=1e-5, err_msg=path)
+
+
 def test_traced_init_on_auto_mesh_asks_for_param_specs():
     """Where the layout cannot be known (traced on Auto axes, never seen placed), the
     error names param_specs instead of gathering split leaves silently."""

@@ -282,9 +282,9 @@ def make_tree_plan(params: Any, configs: dict[str, Any], param_labels: Any,
             leaf = layout.matrix_leaf(i, path, x, label, dims[i])
             kinds[i], specs[i] = _muon_transport(leaf, specs[i], axes, where)
             # Stored long side last (``wide``), an MLP's two matrices share a stack: one program
-            # (TPU: a fifth less kernel code). Only for an exchange (a tall matrix transposed a
-            # chunk at a time): whole leaves stay as laid out (BENCHMARKS.md, "Means tried").
-            matrices.append(dataclasses.replace(leaf, wide=kinds[i][0] == EXCHANGE))
+            # (TPU: less kernel code). Exchange and local stacks only (transposed a chunk at a
+            # time); ZeRO-2's and one device's stay as laid out (BENCHMARKS.md, "Means tried").
+            matrices.append(dataclasses.replace(leaf, wide=kinds[i][0] in (EXCHANGE, LOCAL)))
             continue
         local = any(specs[i])   # split by the user: updated where it lies
         whole = local or (jit_form and n < SPLIT_MOMENTS_MIN_DEVICES)
