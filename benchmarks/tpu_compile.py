@@ -34,6 +34,7 @@ chip), ``v5p:8`` (2x2x2), ``v5p:64`` (4x4x4), ``v5e:8`` (2x4), ``v6e:8`` (2x4).
 
   python benchmarks/tpu_compile.py --sets d256x4 d768x12 --topologies v5p:1 v5p:8
   python benchmarks/tpu_compile.py --table a.json b.json     # one table of saved runs
+  python benchmarks/tpu_compile.py --sets d768x12 --topologies v5p:8 --repeat 3  # medians
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -347,6 +349,19 @@ def run_child(contender: str, set_name: str, topology: str, vocab: int,
     return json.loads(lines[-1])
 
 
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of ``--repeat`` compiles of a program: its median compile times (CPU and
+    wall; every CPU time kept), or the first error."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    row = dict(runs[0])
+    for key in ("compile_cpu_s", "compile_s"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["compile_cpu_all"] = [round(r["compile_cpu_s"], 2) for r in runs]
+    return row
+
+
 # ----------------------------------------------------------------------------- tables
 
 MB = 2**20
@@ -396,6 +411,9 @@ def main(argv=None) -> list[dict[str, Any]]:
                     help="default: every contender that fits the topology")
     ap.add_argument("--vocab", type=int, default=65536)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per compile")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="compile each program this many times, the contenders of a set and "
+                         "topology in turn each round; report the median compile times")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--table", nargs="+", metavar="JSON",
                     help="compile nothing: print one table of the rows of these --json files "
@@ -421,13 +439,14 @@ def main(argv=None) -> list[dict[str, Any]]:
     for set_name in args.sets:
         for topo in args.topologies:
             n = TOPOLOGIES[topo][1]
-            names = args.contenders or (SINGLE if n == 1 else MULTI)
-            for c in names:
-                if (n == 1) != (c in SINGLE):
-                    continue
-                row = run_child(c, set_name, topo, args.vocab, args.timeout)
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+            names = [c for c in args.contenders or (SINGLE if n == 1 else MULTI)
+                     if (n == 1) == (c in SINGLE)]
+            runs: dict[str, list] = {c: [] for c in names}
+            for _ in range(args.repeat):   # rounds: drift of the machine hits every contender
+                for c in names:
+                    runs[c].append(run_child(c, set_name, topo, args.vocab, args.timeout))
+                    print(json.dumps(runs[c][-1]), file=sys.stderr, flush=True)
+            rows += [median_row(runs[c]) for c in names]
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -201,6 +201,31 @@ def test_tpu_compile_table_joins_saved_runs(tmp_path, capsys):
     assert cells[10:12] == ["5.0", "0.62"]     # peak: args + temp + out (none aliased)
 
 
+
+def test_tpu_compile_repeats_in_rounds_and_reports_medians(monkeypatch, capsys):
+    # --repeat: each round compiles every contender once (the machine's drift hits all),
+    # each row keeps its median compile times and every CPU time; an error wins.
+    from benchmarks import tpu_compile
+
+    calls, times = [], {"fsdp": [9.0, 3.0, 5.0], "optax_fsdp": [2.0, 4.0, 8.0]}
+
+    def child(contender, set_name, topology, vocab, timeout):
+        calls.append(contender)
+        t = times[contender][sum(c == contender for c in calls) - 1]
+        return dict(contender=contender, set=set_name, topology=topology, compile_s=t + 1,
+                    compile_cpu_s=t, args=0, temp=2**20, out=0, collectives={}, ring=0,
+                    hlo_lines=1, dots=0, whiles=0, flops_cost=0.0)
+    monkeypatch.setattr(tpu_compile, "run_child", child)
+    rows = tpu_compile.main(["--sets", "d256x4", "--topologies", "v5p:8", "--repeat", "3",
+                             "--contenders", "fsdp", "optax_fsdp"])
+    assert calls == ["fsdp", "optax_fsdp"] * 3
+    assert [(r["compile_cpu_s"], r["compile_s"]) for r in rows] == [(5.0, 6.0), (4.0, 5.0)]
+    assert rows[0]["compile_cpu_all"] == [9.0, 3.0, 5.0]
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "| fsdp" in ln)
+    assert [c.strip() for c in line.split("|")][4:6] == ["5.0 (6.0)", "1.25"]
+    assert tpu_compile.median_row([rows[0], dict(error="compile over 9 s")]) == dict(
+        error="compile over 9 s")
+
 def test_tpu_kernels_reads_the_log_and_the_sources():
     """``tpu_kernels``: libtpu's interleaved per-thread log read into kernels and stages,
     and kernels summed by the source line the optimized HLO's stack frames give."""
