@@ -289,14 +289,14 @@ class ExchangeSink:
         """``part`` (columns ``c0 ..``) with what falls in it of ``blocks`` (columns ``start ..``,
         ``first <= start <= last``) where ``owned``; padded so the window is never clamped."""
         length, width = blocks.shape[1], part.shape[1]
+        if first == last and owned is None and first <= c0 <= first + length - width:
+            return blocks[:, c0 - first:c0 - first + width]   # all of it from here: no mask
         a, b = max(0, c0 - last), min(length, c0 + width - first)
         padded = jnp.pad(blocks[:, a:b], ((0, 0), (width, width)))
         window = rows.dynamic_slice(padded, c0 - start - a + width, width, 1)
         cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
         mask = (cols >= start) & (cols < start + length)
-        if owned is not None:
-            mask = mask & owned
-        return jnp.where(mask, window, part)
+        return jnp.where(mask if owned is None else mask & owned, window, part)
 
     def finish(self, acc: Directions, local_shapes: dict[int, tuple]) -> dict[int, jax.Array]:
         if self.comm.size == 1:
