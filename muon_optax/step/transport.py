@@ -179,7 +179,7 @@ class LocalSource:
     def load(self, held: dict, k: int, j0: int, n: int, prev: jax.Array | None):
         st, parts, start = self.owner.stacks[k].stack, [], 0
         for m in st.members:   # only the members in slots j0 .. j0+n are traced
-            count = self.leaves[m.index].size // (st.rows * st.cols)   # in this device's block
+            count = math.prod(self.leaves[m.index].shape[a] for a in m.batch_axes)  # in this block
             if max(j0, start) < min(j0 + n, start + count):
                 x = m.to_stored(after(self.leaves[m.index], prev))
                 parts.append(x[max(j0 - start, 0):j0 + n - start])
