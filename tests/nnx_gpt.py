@@ -118,5 +118,20 @@ def optimizer_collectives(tx, optimizer: nnx.Optimizer, model: GPT, n: int) -> d
     return collectives(step.lower(params, state, params).compile().as_text(), n)
 
 
+def attention_dims(heads: int, blocked: bool = True):
+    """Per-head Muon blocks of nnx.MultiHeadAttention's kernels (docs/options.md), or (the
+    reference) their heads axis as a batch axis: a callable for ``dimension_numbers``."""
+    D = muon_optax.MuonDimensionNumbers
+
+    def dims(path, _):
+        name = muon_optax.path_str(path)
+        if any(f"{k}/kernel" in name for k in ("query", "key", "value")):
+            return D(0, (1, 2), output_blocks=heads) if blocked else D(0, 2)
+        if "out/kernel" in name:
+            return D((0, 1), 2, reduction_blocks=heads) if blocked else D(1, 2)
+        return None
+    return lambda params: jax.tree_util.tree_map_with_path(dims, params)
+
+
 def make_tx(**kwargs) -> optax.GradientTransformation:
     return muon_optax.muon_adamw(GROUPS, muon_optax.label_by_path(), **kwargs)

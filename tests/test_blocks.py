@@ -439,19 +439,6 @@ def test_zero2_with_jax_grad_inside_shard_map_equals_one_device():
     assert_same_steps(got, want, params, tol=1e-5)
 
 
-def _attention_dims(heads: int, blocked: bool):
-    """Per-head blocks of nnx.MultiHeadAttention's kernels, or (the reference) their
-    heads axis as a batch axis."""
-    def dims(path, _):
-        name = muon_optax.path_str(path)
-        if any(f"{k}/kernel" in name for k in ("query", "key", "value")):
-            return D(0, (1, 2), output_blocks=heads) if blocked else D(0, 2)
-        if "out/kernel" in name:
-            return D((0, 1), 2, reduction_blocks=heads) if blocked else D(1, 2)
-        return None
-    return lambda params: jax.tree_util.tree_map_with_path(dims, params)
-
-
 def _nnx_run(g, nnx, blocked: bool, mesh=None):
     """Flax's standard modules through nnx.Optimizer, 3 steps: ``(params, model,
     optimizer, tx)``."""
@@ -459,7 +446,7 @@ def _nnx_run(g, nnx, blocked: bool, mesh=None):
     kw = {} if mesh is None else dict(axis_name="data", mesh=mesh)
     if mesh is not None:
         g.place(model, mesh)
-    tx = g.make_tx(dimension_numbers=_attention_dims(g.HEADS, blocked), **kw)
+    tx = g.make_tx(dimension_numbers=g.attention_dims(g.HEADS, blocked), **kw)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     for s in range(STEPS):
         g.train_step(model, opt, g.tokens(seed=s % 2))

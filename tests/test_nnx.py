@@ -352,18 +352,6 @@ def _heads_spec(path: str, x) -> P:
         path.split("/", 2)[-1], P())
 
 
-def _per_head(params):
-    """Per-head Muon blocks of nnx.MultiHeadAttention's kernels (docs/options.md)."""
-    D = muon_optax.MuonDimensionNumbers
-
-    def dims(path, _):
-        name = muon_optax.path_str(path)
-        if any(f"{k}/kernel" in name for k in ("query", "key", "value")):
-            return D(0, (1, 2), output_blocks=g.HEADS)
-        return D((0, 1), 2, reduction_blocks=g.HEADS) if "out/kernel" in name else None
-    return jax.tree_util.tree_map_with_path(dims, params)
-
-
 def _head_parallel_training(monkeypatch, forms, axis_type):
     """Per-head blocks under head-parallel tensor parallelism, the README's way: Flax's
     modules placed on a ``("data", "model")`` mesh, ``muon_adamw(axis_name="model",
@@ -384,7 +372,8 @@ def _head_parallel_training(monkeypatch, forms, axis_type):
             nnx.update(model, jax.tree_util.tree_map_with_path(lambda p, x: jax.device_put(
                 x, NamedSharding(mesh, _heads_spec(muon_optax.path_str(p), x))), params))
             params = nnx.as_pure(nnx.state(model, nnx.Param))   # placed
-            tx = g.make_tx(axis_name="model", mesh=mesh, dimension_numbers=_per_head)
+            tx = g.make_tx(axis_name="model", mesh=mesh,
+                           dimension_numbers=g.attention_dims(g.HEADS))
             opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
             ops = g.optimizer_collectives(tx, opt, model, mesh.size)
             step = _explicit_step() if axis_type == AxisType.Explicit else g.train_step
@@ -418,7 +407,8 @@ def test_head_parallel_nnx_optimizer_in_the_tpu_forms(monkeypatch, axis_type):
         _close_but_mask_flips(got[path], x, path)
 
     model = g.GPT(nnx.Rngs(0))                          # one device, the same blocks
-    one = nnx.Optimizer(model, g.make_tx(dimension_numbers=_per_head), wrt=nnx.Param)
+    one = nnx.Optimizer(model, g.make_tx(dimension_numbers=g.attention_dims(g.HEADS)),
+                        wrt=nnx.Param)
     np.testing.assert_allclose(_train(model, one), want_losses, rtol=1e-5)
     for path, x in _pure_params(model).items():
         np.testing.assert_allclose(want[path], x, rtol=1e-4, atol=1e-5, err_msg=path)
