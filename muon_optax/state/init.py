@@ -65,8 +65,7 @@ class Init:
 
 def global_state_shapes(plan: TreePlan, params: Any, skipped: bool = False) -> MuonAdamWState:
     """The shape structs of the global state of ``params`` under ``plan``."""
-    return state_shapes(plan, plan.treedef.flatten_up_to(params), per_device=False,
-                        skipped=skipped)
+    return state_shapes(plan, plan.treedef.flatten_up_to(params), per_device=False, skipped=skipped)
 
 
 def init_of(tx: Any, where: str, hint: str = "") -> Init:

@@ -63,8 +63,7 @@ class ExchangeSource:
     """Owned matrices of the ``"exchange"`` stacks of one dtype: each holder of a block sends
     the owner its sub-piece of ``replicas`` equal ones, reassembled by a fixed permutation."""
 
-    def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
-                 comm: Collectives):
+    def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm = owner, comm
         self.channel = owner.exchange[dtype]
         n, length = comm.size, self.channel.length
@@ -216,9 +215,11 @@ class ExchangeSink:
         self.channel = owner.back[dtype]
         length, width = self.channel.length, max(1, exchange_piece(owner))
         self.bounds = [(c0, min(length, c0 + width)) for c0 in range(0, max(length, 1), width)]
-        # Written as (N, width) rows (lanes left more temporaries), sent in lanes (read by slices).
+        # Sent in lanes (read by slices), written in them where N rows fill no tile (rows of small
+        # tiles: a costly relayout, BENCHMARKS.md), else as (N, width) rows (fewer temporaries).
         self.lane = rows.lane_of(dtype, width, length, self.channel.offsets,
                                  [owner.stacks[k].route.block_size for k in self.channel.stacks])
+        self.unit = self.lane if comm.size < self.lane // 128 else 1
 
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
@@ -231,8 +232,7 @@ class ExchangeSink:
 
     def store(self, acc: Directions, k: int, j0: int, o: jax.Array,
               owned: jax.Array | None) -> Directions:
-        sp = self.owner.stacks[k]
-        n, lane = o.shape[0], self.lane
+        sp, n = self.owner.stacks[k], o.shape[0]
 
         def split(i):  # (N, n, block): each holder's block, as member i's layout splits
             route, member = sp.routes[i], sp.stack.members[i]
@@ -259,20 +259,20 @@ class ExchangeSink:
         parts = {p: acc.parts.get(p, self._zeros(p)) for p in touched + done}
 
         def tpu():
-            new = dict(parts)
+            new, unit, written = dict(parts), self.unit, rows.lanes(blocks, self.unit)
             # + a 0 made from O: else the TPU compiler makes every mask at the start (13 MiB).
-            ready = start + after(jnp.zeros((), jnp.float32), o).astype(np.int32)
+            ready = start // unit + after(jnp.zeros((), jnp.float32), o).astype(np.int32)
             for p in touched:
-                new[p] = self._into(parts[p], blocks, ready, self.bounds[p][0], lo,
-                                    int(offsets.max()) + j0 * size, owned)
-            got = [self.comm.exchange(rows.lanes(new[p], lane)) for p in done]
+                new[p] = self._into(parts[p], written, ready, self.bounds[p][0] // unit,
+                                    lo // unit, (int(offsets.max()) + j0 * size) // unit, owned)
+            got = [self.comm.exchange(rows.lanes(new[p], self.lane // unit)) for p in done]
             last = got[-1] if got else new[touched[-1]] if touched else blocks
             return (acc.buffer, last[(slice(0, 1),) * last.ndim].reshape(1, 1),
                     *[new[p] for p in touched], *got)
 
         def default():
             return (whole(), acc.buffer[:1, :1], *[parts[p] for p in touched],
-                    *[rows.lanes(parts[p], lane) for p in done])
+                    *[rows.lanes(parts[p], self.lane // self.unit) for p in done])
 
         out = per_platform("exchange", tpu=tpu, default=default)
         written = {**acc.parts, **dict(zip(touched, out[2:2 + len(touched)]))}
@@ -281,20 +281,20 @@ class ExchangeSink:
 
     def _zeros(self, p: int) -> jax.Array:
         c0, c1 = self.bounds[p]
-        return jnp.zeros((self.comm.size, c1 - c0), self.dtype)
+        return rows.lanes(jnp.zeros((self.comm.size, c1 - c0), self.dtype), self.unit)
 
     @staticmethod
     def _into(part: jax.Array, blocks: jax.Array, start, c0: int, first: int, last: int,
               owned: jax.Array | None) -> jax.Array:
         """``part`` (columns ``c0 ..``) with what falls in it of ``blocks`` (columns ``start ..``,
-        ``first <= start <= last``) where ``owned``; padded so the window is never clamped."""
-        length, width = blocks.shape[1], part.shape[1]
+        ``first <= start <= last``; lanes: in lanes) where ``owned``; padded, never clamped."""
+        length, width, more = blocks.shape[1], part.shape[1], (1,) * (part.ndim - 2)
         if first == last and owned is None and first <= c0 <= first + length - width:
             return blocks[:, c0 - first:c0 - first + width]   # all of it from here: no mask
         a, b = max(0, c0 - last), min(length, c0 + width - first)
-        padded = jnp.pad(blocks[:, a:b], ((0, 0), (width, width)))
+        padded = jnp.pad(blocks[:, a:b], ((0, 0), (width, width)) + ((0, 0),) * len(more))
         window = rows.dynamic_slice(padded, c0 - start - a + width, width, 1)
-        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width), 1)
+        cols = c0 + jax.lax.broadcasted_iota(np.int32, (1, width) + more, 1)
         mask = (cols >= start) & (cols < start + length)
         return jnp.where(mask if owned is None else mask & owned, window, part)
 
@@ -304,7 +304,8 @@ class ExchangeSink:
 
         def tpu():
             got = [acc.got[p] if p in acc.got
-                   else self.comm.exchange(rows.lanes(acc.parts.get(p, self._zeros(p)), self.lane))
+                   else self.comm.exchange(rows.lanes(acc.parts.get(p, self._zeros(p)),
+                                                         self.lane // self.unit))
                    for p in range(len(self.bounds))]
             return self._from_pieces(got, local_shapes)
 

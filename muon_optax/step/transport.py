@@ -36,8 +36,7 @@ class GatherSource:
     """Owned matrices of the ``"gather"`` stacks of one dtype: under ZeRO-2 reduce-scattered
     (mean) from a flat buffer; with ``mesh=``'s reduced gradients, from the whole leaves."""
 
-    def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array],
-                 comm: Collectives):
+    def __init__(self, owner: OwnerPlan, dtype: Any, leaves: list[jax.Array], comm: Collectives):
         self.owner, self.comm, self.leaves = owner, comm, leaves
         self.channel = owner.gather[dtype]
         self.buffer = None if comm.grads_reduced else self._reduce_scatter(dtype)
