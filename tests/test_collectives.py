@@ -324,19 +324,21 @@ def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch, n: int = 4,
     return jax.tree.leaves((p, s)), hlo
 
 
-def test_zero2_tpu_form_past_the_all_gather_limit(monkeypatch):
+@pytest.mark.parametrize("group", [8, 2])
+def test_zero2_tpu_form_past_the_all_gather_limit(monkeypatch, group):
     """Where the TPU compiler makes an all-gather an all-reduce (64 v5p chips; here on 8
-    devices, the limit lowered to 4): the directions come back by device groups and the
-    AdamW updates are gathered flat (every all-gather 1-D). Two steps equal the CPU
-    form's to rounding."""
+    devices, the limit lowered to 4): the directions come back by device groups (one of 8, or
+    four of 2: a device outside a group sends it zeros) and the AdamW updates are gathered
+    flat (every all-gather 1-D). Two steps equal the CPU form's to rounding."""
     from muon_optax.step import transport
 
     with monkeypatch.context() as m:
         want, _ = _two_steps("zero2", (), m, n=8)
     with monkeypatch.context() as m:
         groups = sp.lower_all_gather_limit(m, 4)
+        m.setattr(transport, "PIECE_MATRICES", group)
         got, hlo = _two_steps("zero2", sp.TPU_SITES, m, n=8)
-    assert groups == [transport.PIECE_MATRICES]
+    assert groups == [group]
     gathers = [line for line in hlo.splitlines() if '"stablehlo.all_gather"' in line]
     assert gathers and all(re.search(r": \(tensor<\d+xf32>\) -> tensor<\d+xf32>$", line)
                            for line in gathers), gathers

@@ -159,8 +159,10 @@ class GatherSink:
         ready = self._completed_by(lambda d, at, size: d // group)
         mine, got, out = rows.lanes(buffer, lane), [], {}
         for g, d0 in enumerate(range(0, n, group)):
-            mask = d0 + jnp.arange(min(group, n - d0)) == me   # this device's row, if here
-            part = jnp.where(mask.reshape((-1,) + (1,) * mine.ndim), mine, jnp.zeros_like(mine))
+            here = min(group, n - d0)   # this device's row (a select of all: slow to compile)
+            row = jnp.where((me >= d0) & (me < d0 + here), me - d0, here)   # past them: cut
+            part = jax.lax.dynamic_update_index_in_dim(
+                jnp.zeros((here + 1,) + mine.shape, mine.dtype), mine, row, 0)[:here]
             got.append(self.comm.sum(after(part, got[-1] if got else None)))
             for st, m, spans, size in ready.get(g, []):
                 x = jnp.stack([got[d // group][d % group, at // lane:(at + size) // lane]
