@@ -161,9 +161,9 @@ class GatherSink:
         for g, d0 in enumerate(range(0, n, group)):
             here = min(group, n - d0)   # this device's row (a select of all: slow to compile)
             row = jnp.where((me >= d0) & (me < d0 + here), me - d0, here)   # past them: cut
-            part = jax.lax.dynamic_update_index_in_dim(
-                jnp.zeros((here + 1,) + mine.shape, mine.dtype), mine, row, 0)[:here]
-            got.append(self.comm.sum(after(part, got[-1] if got else None)))
+            zeros = after(jnp.zeros((here + 1,) + mine.shape, mine.dtype), got[-1] if got else None)
+            part = jax.lax.dynamic_update_index_in_dim(zeros, mine, row, 0)[:here]
+            got.append(self.comm.sum(part))
             for st, m, spans, size in ready.get(g, []):
                 x = jnp.stack([got[d // group][d % group, at // lane:(at + size) // lane]
                                for d, at in spans])
