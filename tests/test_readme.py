@@ -200,16 +200,17 @@ def test_testing_guide_chex_test_runs_and_shift_is_only_noise():
     assert float(np.abs(apart).max()) > 1e-4
 
 
-@pytest.mark.parametrize("limit", [None, 4])
-def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch, limit):
+@pytest.mark.parametrize("limit, group", [(None, None), (4, None), (4, 1)])
+def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch, limit, group):
     """The ZeRO-2 snippet as pasted (``jax.grad`` inside the ``shard_map``'d step) with
     every TPU form forced on XLA:CPU: its embedding, split over the devices, is stepped
     after the Muon matrices and waits for an element of each Muon update (the barrier
     and ordering the TPU compiler gets); the step is the CPU form's, bit for bit. With the
     all-gather limit lowered under the device count (``limit``), the forms past it: the
-    directions summed by device groups, the AdamW updates gathered flat."""
+    directions summed by device groups (``group`` devices each; one: the owners' rows in groups
+    of their own, which the others send zeros), the AdamW updates gathered flat."""
     from muon_optax.rule import order, platform
-    from muon_optax.step import engine
+    from muon_optax.step import engine, transport
 
     code = block("state = jax.jit(jax.shard_map(tx.init")
     want = run(code)["params"]
@@ -218,10 +219,13 @@ def test_zero2_snippet_in_the_tpu_forms_steps_as_the_cpu_form(monkeypatch, limit
                         lambda xs: waited.append(len(xs)) or order.first_elements(xs))
     if limit is not None:
         groups = sp.lower_all_gather_limit(monkeypatch, limit)
+    if group is not None:
+        monkeypatch.setattr(transport, "PIECE_MATRICES", group)
     for site in sp.TPU_SITES:
         monkeypatch.setitem(platform.FORCED, site, "tpu")
     got = run(code)["params"]
     assert waited == [2]              # after w1's and w2's updates
     assert bool(groups) == (limit is not None), groups
+    assert group is None or groups == [group], groups
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)

@@ -220,6 +220,7 @@ class ExchangeSink:
         self.lane = rows.lane_of(dtype, width, length, self.channel.offsets,
                                  [owner.stacks[k].route.block_size for k in self.channel.stacks])
         self.unit = self.lane if comm.size < self.lane // 128 else 1
+        self.sent = self.lane // self.unit   # a written piece's lanes, as sent
 
     @staticmethod
     def cost(owner: OwnerPlan, dtype: Any, reduced: bool) -> Cost:
@@ -265,14 +266,14 @@ class ExchangeSink:
             for p in touched:
                 new[p] = self._into(parts[p], written, ready, self.bounds[p][0] // unit,
                                     lo // unit, (int(offsets.max()) + j0 * size) // unit, owned)
-            got = [self.comm.exchange(rows.lanes(new[p], self.lane // unit)) for p in done]
+            got = [self.comm.exchange(rows.lanes(new[p], self.sent)) for p in done]
             last = got[-1] if got else new[touched[-1]] if touched else blocks
             return (acc.buffer, last[(slice(0, 1),) * last.ndim].reshape(1, 1),
                     *[new[p] for p in touched], *got)
 
         def default():
             return (whole(), acc.buffer[:1, :1], *[parts[p] for p in touched],
-                    *[rows.lanes(parts[p], self.lane // self.unit) for p in done])
+                    *[rows.lanes(parts[p], self.sent) for p in done])
 
         out = per_platform("exchange", tpu=tpu, default=default)
         written = {**acc.parts, **dict(zip(touched, out[2:2 + len(touched)]))}
@@ -304,8 +305,7 @@ class ExchangeSink:
 
         def tpu():
             got = [acc.got[p] if p in acc.got
-                   else self.comm.exchange(rows.lanes(acc.parts.get(p, self._zeros(p)),
-                                                         self.lane // self.unit))
+                   else self.comm.exchange(rows.lanes(acc.parts.get(p, self._zeros(p)), self.sent))
                    for p in range(len(self.bounds))]
             return self._from_pieces(got, local_shapes)
 

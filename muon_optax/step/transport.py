@@ -159,7 +159,7 @@ class GatherSink:
         ready = self._completed_by(lambda d, at, size: d // group)
         mine, got, out = rows.lanes(buffer, lane), [], {}
         for g, d0 in enumerate(range(0, n, group)):
-            here = min(group, n - d0)   # this device's row (a select of all: slow to compile)
+            here = min(group, n - d0)   # its row written in (a masked select compiled slowly)
             row = jnp.where((me >= d0) & (me < d0 + here), me - d0, here)   # past them: cut
             zeros = after(jnp.zeros((here + 1,) + mine.shape, mine.dtype), got[-1] if got else None)
             part = jax.lax.dynamic_update_index_in_dim(zeros, mine, row, 0)[:here]
