@@ -6,10 +6,19 @@ tests start inherit them). Tests that do not shard keep using the default device
 (device 0). The suite is dominated by compile time, so LLVM's code generation is cheap
 (``--xla_backend_optimization_level=0``): the optimized HLO (fusions, collectives) is the
 same, only the machine code is less optimized; the benchmarks compile normally.
+
+Many tests compile the same programs (a one-device reference run, the example GPT's step in
+each process a test starts), so the session shares one compilation cache: a directory made
+here by the first process, inherited by xdist's workers and every process a test starts,
+removed when that first process exits. A cached program is the one XLA built: the results
+are the same. A cache directory of one's own (``JAX_COMPILATION_CACHE_DIR``) is left alone.
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +30,13 @@ _CHEAP = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_pa
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_FLAG)]
 os.environ["XLA_FLAGS"] = " ".join([f for f in _flags if f not in _CHEAP] + _CHEAP
                                    + [f"{_FLAG}={NUM_CPU_DEVICES}"])
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="muon_optax_tests_xla_cache_")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache,   # every program, however small
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 # Helpers (reference.py, sharded_problem.py, multihost_worker.py) import as top-level
 # modules whatever pytest's rootdir and import mode.
