@@ -179,18 +179,23 @@ def test_exchange_in_pieces_equals_the_whole_exchange(monkeypatch, width):
         -(-ch.length // width) + -(-back.length // width))
 
 
-def test_scatter_pieces_narrow_with_more_devices():
+def test_scatter_pieces_narrow_with_more_devices(monkeypatch):
     """A piece of every device's row holds half a largest Muon matrix a device up to
     ``2 * PIECE_MATRICES`` devices and ``PIECE_MATRICES`` matrices in all beyond (on a
-    64-chip v5p a row is about one largest matrix: whole-row pieces were the whole buffer)."""
+    64-chip v5p a row is about one largest matrix: whole-row pieces were the whole buffer),
+    but ``PIECE_ELEMENTS`` at least (this tiny model's rows: one piece on any device count)."""
     import muon_optax
     from muon_optax.step import transport
 
     params = sp.make_params()
     tx = muon_optax.muon_adamw(sp.groups(), sp.LABELS, axis_name="data")
+    owners = {n: tx.init.plan(params, n).owner for n in (4, 8, 16, 64)}
+    for n, owner in owners.items():
+        assert transport.scatter_piece(owner) == transport.PIECE_ELEMENTS // n
+        assert all(transport.scatter_piece(owner) >= ch.length for ch in owner.gather.values())
+    monkeypatch.setattr(transport, "PIECE_ELEMENTS", 0)
     pieces = {}
-    for n in (4, 8, 16, 64):
-        owner = tx.init.plan(params, n).owner
+    for n, owner in owners.items():
         largest = max(s.stack.rows * s.stack.cols for s in owner.stacks)
         pieces[n] = transport.scatter_piece(owner)
         assert pieces[n] * n <= transport.PIECE_MATRICES * largest
@@ -337,6 +342,7 @@ def test_zero2_tpu_form_past_the_all_gather_limit(monkeypatch, group):
     with monkeypatch.context() as m:
         groups = sp.lower_all_gather_limit(m, 4)
         m.setattr(transport, "PIECE_MATRICES", group)
+        m.setattr(transport, "PIECE_ELEMENTS", 0)   # the tiny model's rows: no floor
         got, hlo = _two_steps("zero2", sp.TPU_SITES, m, n=8)
     assert groups == [group]
     gathers = [line for line in hlo.splitlines() if '"stablehlo.all_gather"' in line]

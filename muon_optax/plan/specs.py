@@ -154,8 +154,7 @@ def placed_specs(leaves: Sequence[Any], paths: Sequence[str], mesh: jax.sharding
         "nnx.Optimizer does) so its state records their layout, or use AxisType.Explicit axes.")
 
 
-def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int],
-               path: str) -> None:
+def check_spec(spec: Spec, shape: Sequence[int], mesh_shape: dict[str, int], path: str) -> None:
     """A layout the mesh can hold: known axes, used once, dividing the axis lengths."""
     used = [a for entry in spec for a in entry]
     unknown = [a for a in used if a not in mesh_shape]

@@ -130,9 +130,8 @@ def _late_adamw_phase(plan: TreePlan, opts: Options, comm: Collectives, hps, t, 
             done = first_elements(muon_updates)
             return jax.tree.map(lambda x: after(x, done), ins), muon
 
-        ins, muon = per_platform(
-            "late_adamw", ins, muon, [updates[m.index] for m in plan.muon],
-            default=lambda ins, muon, _: (ins, muon), tpu=zero2_tpu)
+        ins, muon = per_platform("late_adamw", ins, muon, [updates[m.index] for m in plan.muon],
+                                 default=lambda ins, muon, _: (ins, muon), tpu=zero2_tpu)
     for a, (g, p, m, v) in zip(late, ins):
         if a.index in reduced:
             p = None if p_leaves is None else p_leaves[a.index]

@@ -20,16 +20,17 @@ from muon_optax.step.collectives import ALL_GATHER_MAX_DEVICES, Collectives, Cos
 from muon_optax.step.exchange import ExchangeSink, ExchangeSource
 from muon_optax.step.guard import scaled
 
-# The most largest Muon matrices in a piece (64 chips' rows are about one largest each).
-PIECE_MATRICES = 8
+PIECE_MATRICES, PIECE_ELEMENTS = 8, 1 << 23   # PIECE_ELEMENTS: 32 MiB of float32
 
 
 def scatter_piece(owner: OwnerPlan) -> int:
     """Elements of a device's row in one TPU piece of the gradients' reduce-scatter and the
     directions' all-gather: half a largest Muon matrix (ZeRO-2 d1280x20, 8 chips: a whole one
-    1,440.6 MiB of temporaries, half 696.3), at most ``PIECE_MATRICES`` a piece."""
+    1,440.6 MiB of temporaries, half 696.3); in all ``PIECE_MATRICES`` of them at most (64 chips'
+    rows are about one each), ``PIECE_ELEMENTS`` at least (each piece a collective to compile)."""
+    n = owner.num_devices
     largest = max([1] + [sp.stack.rows * sp.stack.cols for sp in owner.stacks])
-    return max(1, min(largest // 2, largest * PIECE_MATRICES // owner.num_devices))
+    return max(1, min(largest // 2, largest * PIECE_MATRICES // n), PIECE_ELEMENTS // n)
 
 
 class GatherSource:
@@ -107,7 +108,8 @@ class GatherSink:
 
     def _on_tpu(self, buffer: jax.Array) -> dict[int, jax.Array]:   # groups, or column pieces
         if self.comm.size > ALL_GATHER_MAX_DEVICES:
-            return self._by_groups(buffer, PIECE_MATRICES)
+            group = PIECE_ELEMENTS // max(1, self.channel.length)   # rows of at least that
+            return self._by_groups(buffer, max(PIECE_MATRICES, group))
         return self._by_pieces(buffer, scatter_piece(self.owner))
 
     @staticmethod
