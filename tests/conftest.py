@@ -11,7 +11,8 @@ Many tests compile the same programs (a one-device reference run, the example GP
 each process a test starts), so the session shares one compilation cache: a directory made
 here by the first process, inherited by xdist's workers and every process a test starts,
 removed when that first process exits. A cached program is the one XLA built: the results
-are the same. A cache directory of one's own (``JAX_COMPILATION_CACHE_DIR``) is left alone.
+are the same. A cache directory of one's own (``JAX_COMPILATION_CACHE_DIR``) is left alone;
+test_tpu_compile.py turns it off (compile-only programs cannot be read back).
 """
 
 import atexit

@@ -108,7 +108,7 @@ class GatherSink:
 
     def _on_tpu(self, buffer: jax.Array) -> dict[int, jax.Array]:   # groups, or column pieces
         if self.comm.size > ALL_GATHER_MAX_DEVICES:
-            group = PIECE_ELEMENTS // max(1, self.channel.length)   # rows of at least that
+            group = PIECE_ELEMENTS // max(1, self.channel.length)   # as pieces: that at least
             return self._by_groups(buffer, max(PIECE_MATRICES, group))
         return self._by_pieces(buffer, scatter_piece(self.owner))
 
