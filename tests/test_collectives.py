@@ -329,16 +329,23 @@ def _two_steps(contender: str, forced: tuple[str, ...], monkeypatch, n: int = 4,
     return jax.tree.leaves((p, s)), hlo
 
 
+@pytest.fixture(scope="module")
+def zero2_cpu_form_on_8():
+    """Two steps of ZeRO-2's CPU form on 8 devices: what every group size is compared
+    with (one build and compile, not one for each)."""
+    with pytest.MonkeyPatch.context() as m:
+        return _two_steps("zero2", (), m, n=8)[0]
+
+
 @pytest.mark.parametrize("group", [8, 2])
-def test_zero2_tpu_form_past_the_all_gather_limit(monkeypatch, group):
+def test_zero2_tpu_form_past_the_all_gather_limit(monkeypatch, group, zero2_cpu_form_on_8):
     """Where the TPU compiler makes an all-gather an all-reduce (64 v5p chips; here on 8
     devices, the limit lowered to 4): the directions come back by device groups (one of 8, or
     four of 2: a device outside a group sends it zeros) and the AdamW updates are gathered
     flat (every all-gather 1-D). Two steps equal the CPU form's to rounding."""
     from muon_optax.step import transport
 
-    with monkeypatch.context() as m:
-        want, _ = _two_steps("zero2", (), m, n=8)
+    want = zero2_cpu_form_on_8
     with monkeypatch.context() as m:
         groups = sp.lower_all_gather_limit(m, 4)
         m.setattr(transport, "PIECE_MATRICES", group)

@@ -380,9 +380,20 @@ def _head_parallel_training(monkeypatch, forms, axis_type):
             return _train(model, opt, step=step), _pure_params(model), tx, params, ops
 
 
+@pytest.fixture(scope="module")
+def head_blocks_one_device():
+    """The one-device run with the per-head blocks: what both axis types follow (one
+    trace of its step, not one for each)."""
+    model = g.GPT(nnx.Rngs(0))
+    one = nnx.Optimizer(model, g.make_tx(dimension_numbers=g.attention_dims(g.HEADS)),
+                        wrt=nnx.Param)
+    return _train(model, one), _pure_params(model)
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
                          ids=["auto", "explicit"])
-def test_head_parallel_nnx_optimizer_in_the_tpu_forms(monkeypatch, axis_type):
+def test_head_parallel_nnx_optimizer_in_the_tpu_forms(monkeypatch, axis_type,
+                                                      head_blocks_one_device):
     """Head-parallel attention with per-head blocks: each device's heads are updated where
     they lie (q, k and v blocks stored wide, one local stack with the output projection's),
     only the MLP's matrices move (all-to-all). In the TPU forms (forced on XLA:CPU) the
@@ -406,11 +417,9 @@ def test_head_parallel_nnx_optimizer_in_the_tpu_forms(monkeypatch, axis_type):
     for path, x in want.items():
         _close_but_mask_flips(got[path], x, path)
 
-    model = g.GPT(nnx.Rngs(0))                          # one device, the same blocks
-    one = nnx.Optimizer(model, g.make_tx(dimension_numbers=g.attention_dims(g.HEADS)),
-                        wrt=nnx.Param)
-    np.testing.assert_allclose(_train(model, one), want_losses, rtol=1e-5)
-    for path, x in _pure_params(model).items():
+    one_losses, one_params = head_blocks_one_device      # one device, the same blocks
+    np.testing.assert_allclose(one_losses, want_losses, rtol=1e-5)
+    for path, x in one_params.items():
         np.testing.assert_allclose(want[path], x, rtol=1e-4, atol=1e-5, err_msg=path)
 
 
