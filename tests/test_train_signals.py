@@ -41,6 +41,7 @@ TINY = ["--depth", "1", "--seq-len", "16", "--batch-size", "2", "--steps", str(S
 RUN_TIMEOUT_S = 180   # one process, start to end, on a busy 2-core machine
 STOP_TIMEOUT_S = 120  # from the signal to every process's exit
 PAIR_STEPS = 400      # a two-process run long enough that a signal always lands mid-run
+SAVE_STEPS = 12       # the second signal's runs: checkpoints of steps 3, 6, 9 and 12
 # XLA's quick compile: these tests check the control flow, not the speed of the step.
 FAST_XLA = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 
@@ -257,7 +258,10 @@ def test_second_signal_during_a_save_aborts_cleanly(procs, tmp_path, corpus, sig
     """A second SIGTERM exits 143 like the first would (a requeue keyed on 143 fires)."""
     out, wrapper = tmp_path / "out", tmp_path / "slow_saves.py"
     wrapper.write_text(SLOW_SAVES.format(train=str(TRAIN)))
-    common = [*TINY, "--data", corpus, "--out", out, "--ckpt-every", "3"]
+    # SAVE_STEPS, not STEPS: the first run cannot end by itself (each save waits for the
+    # one before, and step 6's never finishes), and the resume writes 4 checkpoints, not 13.
+    common = [*TINY, "--data", corpus, "--out", out, "--ckpt-every", "3",
+              "--steps", SAVE_STEPS]
     run = procs.start("slow", 3, *common, script=wrapper)
     procs.until(lambda: logged_steps(out) >= 6, [run], RUN_TIMEOUT_S, "five steps")
     os.kill(run.pid, signum)
@@ -279,8 +283,8 @@ def test_second_signal_during_a_save_aborts_cleanly(procs, tmp_path, corpus, sig
     resumed = procs.start("resumed", *common, "--resume")
     assert procs.wait([resumed], RUN_TIMEOUT_S) == [0], procs.report([resumed])
     assert "(step 3)" in procs.output(resumed)
-    assert not unfinished() and str(STEPS) in checkpoints(out)
-    assert [r["step"] for r in read_log(out)] == list(range(STEPS + 1))
+    assert not unfinished() and str(SAVE_STEPS) in checkpoints(out)
+    assert [r["step"] for r in read_log(out)] == list(range(SAVE_STEPS + 1))
 
 
 def test_distributed_off_a_cluster_is_one_line(procs, tmp_path, corpus):
