@@ -151,6 +151,10 @@ def test_bf16_params_match_reference():
 
 
 def test_flax_layout_update_is_transpose_of_torch_layout():
+    """To float32 rounding, not bit for bit: a tall and a wide stack sum the products of
+    the polar iteration in other orders (jax 0.12.1's XLA:CPU differs by ~2e-8 op by op,
+    0.10.2's under jit). A wrong axis (NorMuon's, MuonEq's, the stored orientation) or a
+    flipped decay mask moves an update by 1e-4 or more."""
     shapes = {"w": (24, 40), "v": (40, 24)}
     params = random_tree(shapes)
     grads = random_tree(shapes, seed=1)
@@ -161,7 +165,7 @@ def test_flax_layout_update_is_transpose_of_torch_layout():
     t = lambda tree: jax.tree.map(jnp.transpose, tree)  # noqa: E731
     u_flax, _ = flax_tx.update(grads, flax_tx.init(params), params)
     u_torch, _ = torch_tx.update(t(grads), torch_tx.init(t(params)), t(params))
-    chex.assert_trees_all_equal(u_flax, t(u_torch))
+    chex.assert_trees_all_close(u_flax, t(u_torch), rtol=0, atol=1e-7)
 
 
 def test_several_shapes_in_one_group_are_stacked():
